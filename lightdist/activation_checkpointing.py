@@ -1,0 +1,48 @@
+"""Activation checkpointing per decoder block.
+
+Applied with torch's composable ``checkpoint`` so parameter names (and so checkpoints) do not change. Must run after
+tensor parallelism and before FSDP, the order torchtitan uses: FSDP's hooks then see the recomputed forward.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Literal
+
+import torch
+from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from lightdist.structure import DecoderStack
+
+__all__ = ["ActivationCheckpointing", "apply_activation_checkpointing"]
+
+ActivationCheckpointing = Literal["full", "selective"]
+
+# Outputs worth keeping: matmuls and attention are where the FLOPs are; norms, activations and elementwise ops are
+# cheap to recompute and hold as much memory. This is torchtitan's op-level selective checkpointing policy.
+_SAVE_OUTPUTS_OF = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+
+
+def _save_compute_heavy_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OUTPUTS_OF else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(stack: DecoderStack, *, mode: ActivationCheckpointing) -> None:
+    """Recompute each block's activations in backward: all of them (``"full"``) or only the cheap ones."""
+    if mode == "full":
+        context_fn = None
+    elif mode == "selective":
+        context_fn = partial(create_selective_checkpoint_contexts, _save_compute_heavy_outputs)
+    else:
+        raise ValueError(f"activation_checkpointing={mode!r} is not one of None, 'full', 'selective'.")
+    for block in stack.blocks:
+        checkpoint(block, context_fn=context_fn)

@@ -1,0 +1,66 @@
+"""The parallel layout: how many ranks go to each dimension, and the DeviceMesh built from it.
+
+Mesh dims are ``("pp", "dp", "tp")``: tensor parallel innermost (neighbouring ranks, the fastest links inside a
+node), pipeline outermost. Sub-meshes are always taken by name, never by position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["MESH_DIM_NAMES", "ParallelLayout"]
+
+MESH_DIM_NAMES = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Degrees of pipeline, data and tensor parallelism; their product is the world size."""
+
+    pp: int
+    dp: int
+    tp: int
+
+    @classmethod
+    def resolve(
+        cls,
+        world_size: int,
+        *,
+        data_parallel_size: int | Literal["auto"],
+        tensor_parallel_size: int,
+        pipeline_parallel_size: int,
+    ) -> ParallelLayout:
+        """Fill in ``"auto"`` and check that the degrees multiply to ``world_size``.
+
+        Called before any process group or parameter exists, so a wrong layout costs nothing.
+        """
+        model_parallel = tensor_parallel_size * pipeline_parallel_size
+        if data_parallel_size == "auto":
+            if world_size % model_parallel:
+                raise ValueError(
+                    f"world size {world_size} is not divisible by tensor_parallel_size={tensor_parallel_size} x "
+                    f"pipeline_parallel_size={pipeline_parallel_size} = {model_parallel}, so data_parallel_size='auto'"
+                    " has no whole value. Change devices/num_nodes or the tensor/pipeline sizes."
+                )
+            data_parallel_size = world_size // model_parallel
+        layout = cls(pp=pipeline_parallel_size, dp=data_parallel_size, tp=tensor_parallel_size)
+        if layout.world_size != world_size:
+            raise ValueError(
+                f"pipeline_parallel_size={layout.pp} x data_parallel_size={layout.dp} x "
+                f"tensor_parallel_size={layout.tp} = {layout.world_size}, but the world size is {world_size} "
+                "(devices x num_nodes). Make the product equal the world size, or set data_parallel_size='auto'."
+            )
+        return layout
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIM_NAMES)
+
+    def __str__(self) -> str:
+        return f"pp={self.pp} x dp={self.dp} x tp={self.tp}"

@@ -1,0 +1,7 @@
+"""Reference LightningModule LLMs and their data, for demos, tests and benchmarks."""
+
+from lightdist.models.data import TokenDataModule, arithmetic_corpus
+from lightdist.models.gpt2 import GPT2, GPT2Config
+from lightdist.models.llama import Llama, LlamaConfig
+
+__all__ = ["GPT2", "GPT2Config", "Llama", "LlamaConfig", "TokenDataModule", "arithmetic_corpus"]

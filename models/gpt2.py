@@ -1,0 +1,119 @@
+"""A GPT-2-style decoder (nanoGPT's layout): learned positions, LayerNorm, fused ``c_attn`` qkv projection, GELU MLP,
+and the LM head tied to the token embedding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+from torch import Tensor, arange, nn
+
+from lightdist.models.lm import CausalLM, resolve_preset
+
+__all__ = ["GPT2", "GPT2_PRESETS", "GPT2Config", "GPT2Model"]
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    layer_norm_eps: float = 1e-5
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}.")
+
+
+GPT2_PRESETS: dict[str, GPT2Config] = {
+    "tiny": GPT2Config(vocab_size=64, n_positions=256, n_embd=64, n_layer=4, n_head=4),
+    "124m": GPT2Config(),
+    "350m": GPT2Config(n_embd=1024, n_layer=24, n_head=16),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPT2Config) -> None:
+        super().__init__()
+        self.n_head, self.n_embd = cfg.n_head, cfg.n_embd
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v fused
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPT2Config) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPT2Config) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Model(nn.Module):
+    """Token ids (B, T) to logits (B, T, vocab)."""
+
+    def __init__(self, cfg: GPT2Config) -> None:
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        positions = arange(tokens.size(1), device=tokens.device)
+        x = self.wte(tokens) + self.wpe(positions)  # (B, T, C)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class GPT2(CausalLM):
+    """The reference GPT-2 as a LightningModule.
+
+    Args:
+        preset: A size from ``GPT2_PRESETS`` ("tiny" for CPU, "124m", "350m").
+        config: Overrides the preset's fields, e.g. ``{"n_layer": 6}``.
+    """
+
+    def __init__(
+        self,
+        preset: str = "tiny",
+        config: dict | None = None,
+        learning_rate: float = 3e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 20,
+    ) -> None:
+        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, warmup_steps=warmup_steps)
+        self.save_hyperparameters()
+        self.config = resolve_preset(GPT2_PRESETS, preset, config)
+        self.model = GPT2Model(self.config)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.model(tokens)

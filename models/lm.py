@@ -1,0 +1,78 @@
+"""The training loop the reference LLMs share: next-token cross-entropy, AdamW, linear warmup then cosine decay."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import TypeVar
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import Tensor
+
+__all__ = ["CausalLM", "resolve_preset"]
+
+ConfigT = TypeVar("ConfigT")
+
+
+def resolve_preset(presets: dict[str, ConfigT], preset: str, overrides: dict | None) -> ConfigT:
+    """The named preset config with ``overrides`` applied; an unknown name lists the known ones."""
+    if preset not in presets:
+        raise ValueError(f"preset={preset!r} is not one of {', '.join(presets)}.")
+    return replace(presets[preset], **(overrides or {}))
+
+
+class CausalLM(LightningModule):
+    """A LightningModule whose ``forward`` maps token ids ``(B, T)`` to logits ``(B, T, vocab)``.
+
+    Batches are token windows ``(B, T + 1)``: inputs are the first ``T`` tokens, targets the last ``T``.
+    """
+
+    def __init__(
+        self, *, learning_rate: float, weight_decay: float, warmup_steps: int, min_lr_ratio: float = 0.1
+    ) -> None:
+        super().__init__()
+        self.learning_rate = learning_rate
+        self.weight_decay = weight_decay
+        self.warmup_steps = warmup_steps
+        self.min_lr_ratio = min_lr_ratio
+
+    def loss(self, batch: Tensor) -> Tensor:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = self(inputs)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        loss = self.loss(batch)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        loss = self.loss(batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        # Decay matrices and embeddings, not norms or biases (GPT-3, Llama).
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.learning_rate,
+            betas=(0.9, 0.95),
+        )
+        total_steps = max(1, int(self.trainer.estimated_stepping_batches))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor(total_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _lr_factor(self, total_steps: int):
+        warmup, floor = self.warmup_steps, self.min_lr_ratio
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        return factor

@@ -1,0 +1,309 @@
+"""``ParallelStrategy``: one Lightning strategy for data, tensor and pipeline parallelism with ZeRO sharding."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightdist.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
+from lightdist.layout import ParallelLayout
+from lightdist.sharding import ZeroStage, apply_data_parallel, shard_optimizer_state
+from lightdist.structure import find_decoder_stack
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
+
+__all__ = ["ParallelStrategy"]
+
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"]
+
+_MIXED_PRECISION_COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+class _ParallelRoot(nn.Module):
+    """Holds the LightningModule so the outermost DDP/FSDP hooks run around ``training_step``.
+
+    Lightning calls ``training_step`` through the strategy's ``model`` whenever that is a wrapper (its "forward
+    redirection"), which is what makes FSDP gather the root's parameters and DDP prepare its reducer, whatever the
+    user's step calls inside.
+    """
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+class ParallelStrategy(ModelParallelStrategy):
+    """Train any LightningModule LLM with ZeRO/FSDP data parallelism on a ``("pp", "dp", "tp")`` DeviceMesh.
+
+    Args:
+        data_parallel_size: Ranks that see different batches; ``"auto"`` gives every rank not used by tensor or
+            pipeline parallelism.
+        tensor_parallel_size: Ranks that split each layer's matrices.
+        pipeline_parallel_size: Ranks that each hold a slice of the decoder stack.
+        zero_stage: What data-parallel ranks shard: 0 nothing (DDP), 1 optimizer state, 2 also gradients,
+            3 also parameters.
+        pipeline_schedule: The schedule that runs microbatches through the pipeline stages.
+        microbatches: Microbatches per batch under a pipeline (default: ``pipeline_parallel_size``).
+        activation_checkpointing: Recompute each block's activations in backward: ``"full"``, ``"selective"``
+            (keep matmul and attention outputs) or ``None``.
+        sequence_parallel: Shard norms and dropout along the sequence inside tensor-parallel groups.
+        cpu_offload: Keep sharded parameters, gradients and optimizer state in CPU memory (ZeRO-2/3).
+        tp_plan: Module-name patterns mapped to a tensor-parallel style, overriding the discovered plan.
+        process_group_backend: ``"nccl"``, ``"gloo"``, ...; default: the device's own.
+    """
+
+    strategy_name = "lightdist"
+
+    def __init__(
+        self,
+        data_parallel_size: int | Literal["auto"] = "auto",
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        zero_stage: ZeroStage = 3,
+        pipeline_schedule: PipelineSchedule = "1f1b",
+        microbatches: int | None = None,
+        activation_checkpointing: ActivationCheckpointing | None = None,
+        sequence_parallel: bool = True,
+        cpu_offload: bool = False,
+        tp_plan: dict[str, str] | None = None,
+        process_group_backend: str | None = None,
+    ) -> None:
+        _validate_options(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            zero_stage=zero_stage,
+            pipeline_schedule=pipeline_schedule,
+            microbatches=microbatches,
+            activation_checkpointing=activation_checkpointing,
+            cpu_offload=cpu_offload,
+            tp_plan=tp_plan,
+        )
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            process_group_backend=process_group_backend,
+        )
+        self._pipeline_parallel_size = pipeline_parallel_size
+        self._zero_stage = zero_stage
+        self._pipeline_schedule = pipeline_schedule
+        self._microbatches = microbatches
+        self._activation_checkpointing = activation_checkpointing
+        self._sequence_parallel = sequence_parallel
+        self._cpu_offload = cpu_offload
+        self._tp_plan = tp_plan
+        self._layout: ParallelLayout | None = None
+        self._parallel_root: _ParallelRoot | None = None
+
+    @property
+    def layout(self) -> ParallelLayout:
+        if self._layout is None:
+            raise RuntimeError("The parallel layout is known once the Trainer knows its devices and nodes.")
+        return self._layout
+
+    @property
+    def zero_stage(self) -> int:
+        return self._zero_stage
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Only data-parallel ranks see different batches: tensor-parallel peers share theirs.
+        dp_mesh = self.device_mesh["dp"]
+        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
+    @override
+    def _configure_launcher(self) -> None:
+        # The Trainer calls this once it knows devices and nodes: the earliest point where the layout can be
+        # checked against the world size, long before any process starts or any memory is allocated.
+        self._layout = self._resolve_layout(self.num_nodes * self.num_processes)
+        super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        self._layout = self._resolve_layout(self.world_size)
+        self._device_mesh = self._layout.build_mesh(self.root_device.type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model = self._parallelize(self.lightning_module)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        if not self._cpu_offload:
+            self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING and not self._cpu_offload:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if self._zero_stage == 1:
+            self._shard_optimizer_states()
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip the gradient all-reduce / reduce-scatter on the non-final steps of gradient accumulation."""
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True)
+        return get_model_state_dict(self.lightning_module, options=options)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            raise NotImplementedError(
+                "Saving the optimizer state of zero_stage=1 is not supported yet (it comes with lightdist's sharded "
+                "checkpointing). Train with zero_stage=0, 2 or 3 to save checkpoints, or pass "
+                "enable_checkpointing=False."
+            )
+        return super().optimizer_state(optimizer)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            "lightdist", cls, description="lightdist: every rank data parallel, ZeRO-3 (FSDP2) sharding"
+        )
+        strategy_registry.register(
+            "lightdist_ddp", cls, description="lightdist: data parallel, replicated (ZeRO-0)", zero_stage=0
+        )
+        for stage, shards in ((1, "optimizer state"), (2, "optimizer state and gradients"), (3, "everything")):
+            strategy_registry.register(
+                f"lightdist_zero{stage}",
+                cls,
+                description=f"lightdist: data parallel, ZeRO-{stage} (shards {shards})",
+                zero_stage=stage,
+            )
+
+    def _resolve_layout(self, world_size: int) -> ParallelLayout:
+        return ParallelLayout.resolve(
+            world_size,
+            data_parallel_size=self._data_parallel_size,
+            tensor_parallel_size=self._tensor_parallel_size,
+            pipeline_parallel_size=self._pipeline_parallel_size,
+        )
+
+    def _parallelize(self, module: pl.LightningModule) -> _ParallelRoot:
+        """Apply activation checkpointing, then data parallelism, in torchtitan's order; once per module."""
+        if self._parallel_root is not None and self._parallel_root.module is module:
+            return self._parallel_root
+        if not any(True for _ in module.parameters()):
+            raise ValueError(
+                f"{type(module).__name__} has no parameters to train. Create its layers in `__init__` or "
+                "`configure_model` before calling the Trainer."
+            )
+        stack = find_decoder_stack(module)
+        if self._activation_checkpointing is not None:
+            apply_activation_checkpointing(stack, mode=self._activation_checkpointing)
+        root = _ParallelRoot(module)
+        apply_data_parallel(
+            root,
+            stack,
+            self.device_mesh["dp"],
+            zero_stage=self._zero_stage,
+            param_dtype=self._mixed_precision_compute_dtype(),
+            cpu_offload=self._cpu_offload,
+        )
+        self._parallel_root = root
+        return root
+
+    def _mixed_precision_compute_dtype(self) -> torch.dtype | None:
+        if isinstance(self.precision_plugin, MixedPrecision):
+            return _MIXED_PRECISION_COMPUTE_DTYPES[self.precision_plugin.precision]
+        return None
+
+    def _shard_optimizer_states(self) -> None:
+        dp_mesh = self.device_mesh["dp"]
+        sharded = {id(opt): shard_optimizer_state(opt, dp_mesh) for opt in self.optimizers}
+        for config in self.lr_scheduler_configs:
+            # Schedulers adjust the learning rate through the optimizer they were built with.
+            config.scheduler.optimizer = sharded[id(config.scheduler.optimizer)]
+        self.optimizers = [sharded[id(opt)] for opt in self.optimizers]
+
+
+def _validate_options(
+    *,
+    data_parallel_size: int | str,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    zero_stage: int,
+    pipeline_schedule: str,
+    microbatches: int | None,
+    activation_checkpointing: str | None,
+    cpu_offload: bool,
+    tp_plan: dict[str, str] | None,
+) -> None:
+    """Reject impossible options when the strategy is built, before any process or tensor exists."""
+    for name, size in (("tensor_parallel_size", tensor_parallel_size), ("pipeline_parallel_size", pipeline_parallel_size)):
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name}={size!r} must be a positive integer.")
+    if data_parallel_size != "auto" and (not isinstance(data_parallel_size, int) or data_parallel_size < 1):
+        raise ValueError(f"data_parallel_size={data_parallel_size!r} must be a positive integer or 'auto'.")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(
+            f"zero_stage={zero_stage!r} is not a ZeRO stage. Choose 0 (replicate), 1 (shard optimizer state), "
+            "2 (+ gradients) or 3 (+ parameters)."
+        )
+    if pipeline_schedule not in PipelineSchedule.__args__:
+        raise ValueError(
+            f"pipeline_schedule={pipeline_schedule!r} is not one of {', '.join(PipelineSchedule.__args__)}."
+        )
+    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
+        raise ValueError(f"microbatches={microbatches!r} must be a positive integer or None.")
+    if activation_checkpointing not in (None, "full", "selective"):
+        raise ValueError(
+            f"activation_checkpointing={activation_checkpointing!r} is not one of None, 'full', 'selective'."
+        )
+    if cpu_offload and zero_stage < 2:
+        raise ValueError(
+            f"cpu_offload=True needs sharded parameters and gradients, but zero_stage={zero_stage}. "
+            "Use zero_stage=2 or 3 with cpu_offload."
+        )
+    if tensor_parallel_size > 1 or tp_plan is not None:
+        raise NotImplementedError(
+            f"tensor_parallel_size={tensor_parallel_size}: tensor parallelism is not in this lightdist release yet "
+            "(it is being built). Use tensor_parallel_size=1 and data parallelism with ZeRO for now."
+        )
+    if pipeline_parallel_size > 1:
+        raise NotImplementedError(
+            f"pipeline_parallel_size={pipeline_parallel_size}: pipeline parallelism is not in this lightdist release "
+            "yet (it is being built). Use pipeline_parallel_size=1 and data parallelism with ZeRO for now."
+        )

@@ -1,0 +1,80 @@
+"""Run a function on several CPU processes that form one gloo process group, the way torchrun would start them.
+
+Each rank gets the environment a launcher sets (``MASTER_ADDR``, ``RANK``, ``LOCAL_RANK``, ...), so Lightning sees
+processes created externally and launches nothing itself.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["free_port", "run_ranks"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world_size),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+    )
+    # Two cores, up to eight ranks: one thread each keeps them from fighting over the cores.
+    torch.set_num_threads(1)
+    try:
+        # Results travel as bytes: tensors sent as shared memory would vanish when this process exits.
+        buffer = io.BytesIO()
+        torch.save(fn(*args), buffer)
+        results.put((rank, buffer.getvalue(), None))
+    except BaseException:
+        results.put((rank, None, traceback.format_exc()))
+        raise
+
+
+def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0) -> list[Any]:
+    """``fn(*args)`` on ``world_size`` ranks; returns each rank's result in rank order, or raises a rank's error.
+
+    ``fn`` must be importable (defined at module level) because ranks are started with ``spawn``.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, results), daemon=False)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outputs: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in procs:
+            rank, value, error = results.get(timeout=timeout)
+            if error is not None:
+                errors.append(f"rank {rank}:\n{error}")
+                break
+            outputs[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if errors else 60)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [outputs[rank] for rank in range(world_size)]

@@ -1,0 +1,68 @@
+"""A parallel run must be the single-process run, only faster: same loss every step, same final weights (fp32)."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+import torch
+from multirank import run_ranks
+from training import Case, Result, train_cases
+
+pytestmark = pytest.mark.multirank
+
+CASES = {
+    2: {
+        "zero0": Case(strategy=dict(zero_stage=0)),
+        "zero1": Case(strategy=dict(zero_stage=1)),
+        "zero2": Case(strategy=dict(zero_stage=2)),
+        "zero3": Case(strategy=dict(zero_stage=3)),
+        "zero1_accumulate_clip": Case(strategy=dict(zero_stage=1), accumulate_grad_batches=2, gradient_clip_val=0.1),
+        "zero3_accumulate_clip": Case(strategy=dict(zero_stage=3), accumulate_grad_batches=2, gradient_clip_val=0.1),
+        "zero2_full_checkpointing": Case(strategy=dict(zero_stage=2, activation_checkpointing="full")),
+        "zero3_selective_checkpointing": Case(strategy=dict(zero_stage=3, activation_checkpointing="selective")),
+        "gpt2_tied_zero3": Case(strategy=dict(zero_stage=3), model="gpt2", gradient_clip_val=0.1),
+    },
+    4: {
+        "zero0": Case(strategy=dict(zero_stage=0)),
+        "zero1": Case(strategy=dict(zero_stage=1)),
+        "zero2_clip": Case(strategy=dict(zero_stage=2), gradient_clip_val=0.1),
+        "zero3_accumulate_clip": Case(strategy=dict(zero_stage=3), accumulate_grad_batches=2, gradient_clip_val=0.1),
+    },
+}
+
+
+@cache
+def parallel_results(world_size: int) -> dict[str, Result]:
+    cases = CASES[world_size]
+    rank0 = run_ranks(world_size, train_cases, list(cases.values()), world_size)[0]
+    return dict(zip(cases, rank0))
+
+
+@cache
+def reference_results() -> dict[Case, Result]:
+    """Every single-process run the parallel cases are compared with, trained in one process."""
+    references = list(dict.fromkeys(case.reference(dp) for dp, cases in CASES.items() for case in cases.values()))
+    return dict(zip(references, run_ranks(1, train_cases, references)[0]))
+
+
+@pytest.mark.parametrize(
+    ("world_size", "name"), [(world_size, name) for world_size, cases in CASES.items() for name in cases]
+)
+def test_parallel_run_matches_single_process(world_size: int, name: str) -> None:
+    case = CASES[world_size][name]
+    parallel = parallel_results(world_size)[name]
+    single = reference_results()[case.reference(dp=world_size)]
+
+    assert len(parallel.losses) == case.steps * case.accumulate_grad_batches
+    torch.testing.assert_close(parallel.losses, single.losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(parallel.logged, single.logged, rtol=1e-5, atol=0)
+    assert parallel.params.keys() == single.params.keys()
+    for key in single.params:
+        torch.testing.assert_close(parallel.params[key], single.params[key], rtol=1e-5, atol=1e-5, msg=key)
+
+
+def test_training_moves_the_weights() -> None:
+    """Guards the comparison above: a run that did not train would match nothing but itself."""
+    trained = reference_results()[CASES[2]["zero3"].reference(dp=2)]
+    assert trained.losses[-1] < trained.losses[0]

@@ -1,0 +1,95 @@
+"""A few steps of the tiny reference LLMs, run the same way by a single process and by every rank of a parallel run.
+
+The parallel run sees the same global batches as the single process: each of ``dp`` ranks takes ``batch_size``
+windows, and the distributed sampler interleaves ranks so that together they cover exactly the single process's
+batch of ``dp * batch_size`` windows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from lightdist.models import GPT2, Llama, TokenDataModule
+from lightdist.plugins import ParallelStrategy
+
+MODELS = {"llama": Llama, "gpt2": GPT2}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One training configuration. ``strategy`` holds ParallelStrategy options; ``None`` is the plain single process."""
+
+    strategy: dict[str, Any] | None = None
+    model: str = "llama"
+    steps: int = 5
+    batch_size: int = 4  # per data-parallel rank
+    seq_len: int = 32
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float | None = None
+    precision: str = "32-true"
+
+    def reference(self, dp: int) -> Case:
+        """The single-process run that must produce the same numbers as this one at data-parallel size ``dp``."""
+        return Case(
+            model=self.model,
+            steps=self.steps,
+            batch_size=self.batch_size * dp,
+            seq_len=self.seq_len,
+            accumulate_grad_batches=self.accumulate_grad_batches,
+            gradient_clip_val=self.gradient_clip_val,
+            precision=self.precision,
+        )
+
+
+@dataclass
+class Result:
+    losses: list[float] = field(default_factory=list)  # per micro-batch, mean over the global batch
+    logged: list[float] = field(default_factory=list)  # the user's self.log("train_loss", sync_dist=True)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # full state dict after training
+
+
+class _RecordLosses(Callback):
+    def __init__(self, result: Result) -> None:
+        self.result = result
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")
+        self.result.losses.append(loss.item())
+        self.result.logged.append(trainer.callback_metrics["train_loss"].item())
+
+
+def train(case: Case, devices: int = 1, callbacks: list[Callback] = ()) -> Result:
+    seed_everything(1234, workers=True)
+    model = MODELS[case.model](preset="tiny", warmup_steps=2)
+    data = TokenDataModule(
+        seq_len=case.seq_len, batch_size=case.batch_size, shuffle=False, val_fraction=0.0, synthetic_tokens=65_536
+    )
+    result = Result()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=ParallelStrategy(**case.strategy) if case.strategy is not None else "auto",
+        max_steps=case.steps,
+        accumulate_grad_batches=case.accumulate_grad_batches,
+        gradient_clip_val=case.gradient_clip_val,
+        precision=case.precision,
+        callbacks=[_RecordLosses(result), *callbacks],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, datamodule=data)
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    result.params = {name: tensor.clone() for name, tensor in state.items()}
+    return result
+
+
+def train_cases(cases: list[Case], devices: int = 1) -> list[Result]:
+    """Several runs in one group of processes, so the start-up cost is paid once."""
+    return [train(case, devices) for case in cases]
