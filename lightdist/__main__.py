@@ -1,0 +1,3 @@
+from lightdist.cli import main
+
+main()

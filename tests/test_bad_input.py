@@ -1,0 +1,75 @@
+"""Every impossible configuration fails with a message that names the value and the fix, before memory is spent."""
+
+from __future__ import annotations
+
+import pytest
+from lightning.pytorch import LightningModule, Trainer
+from multirank import run_ranks
+from torch import nn
+
+from lightdist.plugins import ParallelStrategy
+from lightdist.structure import find_decoder_stack
+
+
+def test_world_size_must_equal_the_product_of_the_degrees() -> None:
+    # Raised while the Trainer is built: no process started, no parameter allocated.
+    with pytest.raises(ValueError, match=r"data_parallel_size=3 .* = 3, but the world size is 4"):
+        Trainer(accelerator="cpu", devices=4, strategy=ParallelStrategy(data_parallel_size=3))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(zero_stage=4), r"zero_stage=4 is not a ZeRO stage. Choose 0"),
+        (dict(zero_stage=-1), r"zero_stage=-1 is not a ZeRO stage"),
+        (dict(data_parallel_size=0), r"data_parallel_size=0 must be a positive integer or 'auto'"),
+        (dict(pipeline_schedule="round_robin"), r"pipeline_schedule='round_robin' is not one of gpipe, 1f1b"),
+        (dict(microbatches=0), r"microbatches=0 must be a positive integer"),
+        (dict(activation_checkpointing="some"), r"activation_checkpointing='some' is not one of None, 'full'"),
+        (dict(zero_stage=1, cpu_offload=True), r"cpu_offload=True needs .* zero_stage=1. Use zero_stage=2 or 3"),
+    ],
+)
+def test_invalid_options_are_rejected_when_the_strategy_is_built(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ParallelStrategy(**options)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(tensor_parallel_size=2), r"tensor_parallel_size=2: tensor parallelism is not in this lightdist release"),
+        (dict(pipeline_parallel_size=2), r"pipeline_parallel_size=2: pipeline parallelism is not in this lightdist"),
+    ],
+)
+def test_dimensions_not_yet_built_say_so(options: dict, message: str) -> None:
+    with pytest.raises(NotImplementedError, match=message):
+        ParallelStrategy(**options)
+
+
+def test_unknown_strategy_name_is_named_in_the_error() -> None:
+    with pytest.raises(ValueError, match=r"invalid strategy name: `strategy='lightdist_zero7'`"):
+        Trainer(accelerator="cpu", devices=2, strategy="lightdist_zero7")
+
+
+class _NoLayers(LightningModule):
+    def training_step(self, batch, batch_idx):
+        raise AssertionError("never reached")
+
+    def configure_optimizers(self):
+        raise AssertionError("never reached")
+
+
+def fit_module_without_parameters() -> None:
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=ParallelStrategy(), max_steps=1, logger=False)
+    trainer.fit(_NoLayers(), train_dataloaders=[[0]])
+
+
+def test_module_without_parameters_is_rejected() -> None:
+    with pytest.raises(RuntimeError, match=r"_NoLayers has no parameters to train"):
+        run_ranks(1, fit_module_without_parameters)
+
+
+def test_model_without_a_block_list_names_what_it_saw() -> None:
+    model = nn.Sequential(nn.Embedding(8, 4), nn.ModuleList([nn.Linear(4, 4), nn.ReLU()]), nn.Linear(4, 8))
+    with pytest.raises(ValueError, match=r"Could not find the decoder stack of Sequential.*1 \(2 x Linear, ReLU\)"):
+        find_decoder_stack(model)

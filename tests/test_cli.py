@@ -1,0 +1,62 @@
+"""The ``lightdist`` command as a user runs it: a config, command-line overrides, Lightning launching the ranks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from lightning.pytorch import Trainer
+
+from lightdist.cli import main
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+QUICK = [
+    "--trainer.devices=2",
+    "--trainer.max_steps=3",
+    "--trainer.val_check_interval=3",
+    "--trainer.limit_val_batches=2",
+    "--trainer.enable_progress_bar=false",
+]
+
+
+def lightdist_fit(config: str, *overrides: str, cwd: Path) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "lightdist", "fit", "--config", str(CONFIGS / config), *QUICK, *overrides]
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.multirank
+def test_main_job_config_trains_and_saves_a_sharded_checkpoint(tmp_path: Path) -> None:
+    run = lightdist_fit("zero3_cpu.yaml", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    checkpoints = list((tmp_path / "runs").rglob("*.ckpt"))
+    assert len(checkpoints) == 1, checkpoints
+    shards = sorted(path.name for path in checkpoints[0].iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+
+
+@pytest.mark.multirank
+def test_registered_strategy_name_works_from_the_command_line(tmp_path: Path) -> None:
+    run = lightdist_fit("zero3_cpu.yaml", "--trainer.strategy=lightdist_zero2", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "strategy: lightdist_zero2" in (tmp_path / "runs" / "zero3_cpu" / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize(("name", "zero_stage"), [("lightdist", 3), ("lightdist_ddp", 0)] + [
+    (f"lightdist_zero{stage}", stage) for stage in (1, 2, 3)
+])
+def test_registered_names_choose_the_zero_stage(name: str, zero_stage: int) -> None:
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
+    assert trainer.strategy.zero_stage == zero_stage
+    assert str(trainer.strategy.layout) == "pp=1 x dp=2 x tp=1"
+
+
+def test_invalid_option_fails_in_cli_validation_naming_the_option(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["lightdist"])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(CONFIGS / "zero3_cpu.yaml"), "--trainer.strategy.init_args.zero_stage=7"])
+    assert exit_info.value.code != 0
+    assert 'Parser key "zero_stage"' in capsys.readouterr().err

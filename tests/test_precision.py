@@ -1,0 +1,42 @@
+"""Lightning's precision flag drives FSDP2's mixed precision: bf16 compute, fp32 master weights and reductions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+from multirank import run_ranks
+
+import training
+from training import Case
+
+pytestmark = pytest.mark.multirank
+
+
+class _RecordComputeDtype(Callback):
+    """The dtype a block's weight has while the block runs, which is what its matmul computes in."""
+
+    def __init__(self) -> None:
+        self.dtypes: set[torch.dtype] = set()
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        projection = pl_module.model.layers[0].self_attn.q_proj
+        projection.register_forward_hook(lambda module, args, output: self.dtypes.add(module.weight.dtype))
+
+
+def train_and_record_dtypes(case: Case) -> tuple[training.Result, set[torch.dtype]]:
+    probe = _RecordComputeDtype()
+    return training.train(case, devices=2, callbacks=[probe]), probe.dtypes
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_bf16_mixed_computes_in_bf16_and_keeps_fp32_weights(zero_stage: int) -> None:
+    case = Case(strategy=dict(zero_stage=zero_stage), precision="bf16-mixed", steps=3)
+    (result, dtypes), _ = run_ranks(2, train_and_record_dtypes, case)
+    (reference,) = run_ranks(1, training.train, Case(steps=3, batch_size=2 * case.batch_size))  # fp32
+
+    assert dtypes == {torch.bfloat16}
+    assert {tensor.dtype for tensor in result.params.values()} == {torch.float32}
+    # bf16 rounds to 3 significant digits: close to the fp32 run, and not identical to it.
+    torch.testing.assert_close(result.losses, reference.losses, rtol=3e-2, atol=0)
+    assert result.losses != reference.losses
