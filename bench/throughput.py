@@ -75,9 +75,7 @@ def plain_pytorch(args: argparse.Namespace, device: torch.device, data: RandomTo
     seed_everything(0)
     model = LlamaModel(Llama(args.preset).config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
-    autocast = (
-        torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16-mixed" else nullcontext()
-    )
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16-mixed" else nullcontext()
     seconds = []
     for batch in DataLoader(data, batch_size=args.batch_size):
         batch = batch.to(device)

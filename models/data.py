@@ -124,4 +124,6 @@ class TokenDataModule(LightningDataModule):
         # Our own sampler, because Lightning's injected one always shuffles training data, and pre-shuffled token
         # files must keep their order. The strategy says how to shard: by data-parallel rank only.
         sampler = DistributedSampler(dataset, shuffle=shuffle, seed=self.seed, drop_last=True, **sharding)
-        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True, num_workers=self.num_workers)
+        return DataLoader(
+            dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True, num_workers=self.num_workers
+        )

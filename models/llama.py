@@ -52,11 +52,23 @@ LLAMA_PRESETS: dict[str, LlamaConfig] = {
     # 0.95B parameters: the single-GPU benchmark workload.
     "1b": LlamaConfig(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, ffn_dim=5632),
     "8b": LlamaConfig(
-        vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, max_seq_len=8192,
+        vocab_size=128256,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        max_seq_len=8192,
         rope_theta=500000.0,
     ),
     "70b": LlamaConfig(
-        vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, max_seq_len=8192,
+        vocab_size=128256,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim=28672,
+        max_seq_len=8192,
         rope_theta=500000.0,
     ),
 }

@@ -4,16 +4,27 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -135,6 +146,11 @@ class ParallelStrategy(ModelParallelStrategy):
         # The Trainer calls this once it knows devices and nodes: the earliest point where the layout can be
         # checked against the world size, long before any process starts or any memory is allocated.
         self._layout = self._resolve_layout(self.num_nodes * self.num_processes)
+        if self._cpu_offload and self.root_device.type == "cpu":
+            raise ValueError(
+                "cpu_offload=True moves sharded state from accelerator memory to CPU memory, but the accelerator is "
+                "the CPU. Drop cpu_offload, or train on GPUs."
+            )
         super()._configure_launcher()
 
     @override
@@ -179,8 +195,6 @@ class ParallelStrategy(ModelParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         options = StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True)
         return get_model_state_dict(self.lightning_module, options=options)
 
@@ -194,7 +208,23 @@ class ParallelStrategy(ModelParallelStrategy):
                 "checkpointing). Train with zero_stage=0, 2 or 3 to save checkpoints, or pass "
                 "enable_checkpointing=False."
             )
-        return super().optimizer_state(optimizer)
+        options = StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True)
+        return get_optimizer_state_dict(self.lightning_module, optimizer, options=options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded checkpoint of any ZeRO stage, keyed by the LightningModule's own parameter names."""
+        path = Path(self.broadcast(checkpoint_path))
+        module = self.lightning_module
+        model_state = {"state_dict": get_model_state_dict(module)}
+        dcp.load(model_state, checkpoint_id=path)
+        set_model_state_dict(module, model_state["state_dict"], options=StateDictOptions(strict=module.strict_loading))
+        for index, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{index}"
+            optimizer_state = {key: get_optimizer_state_dict(module, optimizer)}
+            dcp.load(optimizer_state, checkpoint_id=path)
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state[key])
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
     @classmethod
     @override
@@ -272,7 +302,10 @@ def _validate_options(
     tp_plan: dict[str, str] | None,
 ) -> None:
     """Reject impossible options when the strategy is built, before any process or tensor exists."""
-    for name, size in (("tensor_parallel_size", tensor_parallel_size), ("pipeline_parallel_size", pipeline_parallel_size)):
+    for name, size in (
+        ("tensor_parallel_size", tensor_parallel_size),
+        ("pipeline_parallel_size", pipeline_parallel_size),
+    ):
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"{name}={size!r} must be a positive integer.")
     if data_parallel_size != "auto" and (not isinstance(data_parallel_size, int) or data_parallel_size < 1):

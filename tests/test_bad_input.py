@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 from lightning.pytorch import LightningModule, Trainer
-from multirank import run_ranks
 from torch import nn
 
 from lightdist.plugins import ParallelStrategy
 from lightdist.structure import find_decoder_stack
+
+from multirank import run_ranks
 
 
 def test_world_size_must_equal_the_product_of_the_degrees() -> None:
@@ -32,6 +33,11 @@ def test_world_size_must_equal_the_product_of_the_degrees() -> None:
 def test_invalid_options_are_rejected_when_the_strategy_is_built(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ParallelStrategy(**options)
+
+
+def test_cpu_offload_on_cpu_accelerator_is_rejected() -> None:
+    with pytest.raises(ValueError, match=r"cpu_offload=True .* but the accelerator is the CPU. Drop cpu_offload"):
+        Trainer(accelerator="cpu", devices=2, strategy=ParallelStrategy(cpu_offload=True))
 
 
 @pytest.mark.parametrize(

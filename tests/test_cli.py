@@ -21,8 +21,20 @@ QUICK = [
 ]
 
 
-def lightdist_fit(config: str, *overrides: str, cwd: Path) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "lightdist", "fit", "--config", str(CONFIGS / config), *QUICK, *overrides]
+def lightdist_fit(
+    config: str, *overrides: str, cwd: Path, launcher: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    command = [
+        sys.executable,
+        *launcher,
+        "-m",
+        "lightdist",
+        "fit",
+        "--config",
+        str(CONFIGS / config),
+        *QUICK,
+        *overrides,
+    ]
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
@@ -37,15 +49,25 @@ def test_main_job_config_trains_and_saves_a_sharded_checkpoint(tmp_path: Path) -
 
 
 @pytest.mark.multirank
+def test_torchrun_launches_the_ranks(tmp_path: Path) -> None:
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
+    run = lightdist_fit("zero3_cpu.yaml", "--trainer.strategy.init_args.zero_stage=2", cwd=tmp_path, launcher=torchrun)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in run.stderr
+    assert len(list((tmp_path / "runs").rglob("*.ckpt"))) == 1
+
+
+@pytest.mark.multirank
 def test_registered_strategy_name_works_from_the_command_line(tmp_path: Path) -> None:
     run = lightdist_fit("zero3_cpu.yaml", "--trainer.strategy=lightdist_zero2", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "strategy: lightdist_zero2" in (tmp_path / "runs" / "zero3_cpu" / "config.yaml").read_text()
 
 
-@pytest.mark.parametrize(("name", "zero_stage"), [("lightdist", 3), ("lightdist_ddp", 0)] + [
-    (f"lightdist_zero{stage}", stage) for stage in (1, 2, 3)
-])
+@pytest.mark.parametrize(
+    ("name", "zero_stage"),
+    [("lightdist", 3), ("lightdist_ddp", 0)] + [(f"lightdist_zero{stage}", stage) for stage in (1, 2, 3)],
+)
 def test_registered_names_choose_the_zero_stage(name: str, zero_stage: int) -> None:
     trainer = Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
     assert trainer.strategy.zero_stage == zero_stage

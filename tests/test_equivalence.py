@@ -6,6 +6,7 @@ from functools import cache
 
 import pytest
 import torch
+
 from multirank import run_ranks
 from training import Case, Result, train_cases
 
@@ -36,14 +37,14 @@ CASES = {
 def parallel_results(world_size: int) -> dict[str, Result]:
     cases = CASES[world_size]
     rank0 = run_ranks(world_size, train_cases, list(cases.values()), world_size)[0]
-    return dict(zip(cases, rank0))
+    return dict(zip(cases, rank0, strict=True))
 
 
 @cache
 def reference_results() -> dict[Case, Result]:
     """Every single-process run the parallel cases are compared with, trained in one process."""
     references = list(dict.fromkeys(case.reference(dp) for dp, cases in CASES.items() for case in cases.values()))
-    return dict(zip(references, run_ranks(1, train_cases, references)[0]))
+    return dict(zip(references, run_ranks(1, train_cases, references)[0], strict=True))
 
 
 @pytest.mark.parametrize(

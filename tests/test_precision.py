@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Callback
-from multirank import run_ranks
 
 import training
+from multirank import run_ranks
 from training import Case
 
 pytestmark = pytest.mark.multirank

@@ -9,7 +9,9 @@ from lightdist.models import GPT2, Llama
 from lightdist.structure import find_decoder_stack
 
 
-@pytest.mark.parametrize(("model", "name", "blocks"), [(Llama("tiny"), "model.layers", 4), (GPT2("tiny"), "model.h", 4)])
+@pytest.mark.parametrize(
+    ("model", "name", "blocks"), [(Llama("tiny"), "model.layers", 4), (GPT2("tiny"), "model.h", 4)]
+)
 def test_reference_models(model: nn.Module, name: str, blocks: int) -> None:
     stack = find_decoder_stack(model)
     assert (stack.name, len(stack)) == (name, blocks)

@@ -8,12 +8,11 @@ weights. Weights are measured between forward and backward, where stage 2 holds 
 from __future__ import annotations
 
 import pytest
-import torch
 from lightning.pytorch import Callback
-from multirank import run_ranks
 from torch.distributed.tensor import DTensor
 
 import training
+from multirank import run_ranks
 from training import Case
 
 pytestmark = pytest.mark.multirank

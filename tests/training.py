@@ -32,6 +32,7 @@ class Case:
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = None
     precision: str = "32-true"
+    limit_train_batches: int | None = None  # batches per epoch
 
     def reference(self, dp: int) -> Case:
         """The single-process run that must produce the same numbers as this one at data-parallel size ``dp``."""
@@ -63,7 +64,15 @@ class _RecordLosses(Callback):
         self.result.logged.append(trainer.callback_metrics["train_loss"].item())
 
 
-def train(case: Case, devices: int = 1, callbacks: list[Callback] = ()) -> Result:
+def train(
+    case: Case,
+    devices: int = 1,
+    callbacks: list[Callback] = (),
+    *,
+    resume_from: str | None = None,
+    save_to: str | None = None,
+) -> Result:
+    """Train ``case``, optionally resuming from a checkpoint first and saving one at the end."""
     seed_everything(1234, workers=True)
     model = MODELS[case.model](preset="tiny", warmup_steps=2)
     data = TokenDataModule(
@@ -75,6 +84,7 @@ def train(case: Case, devices: int = 1, callbacks: list[Callback] = ()) -> Resul
         devices=devices,
         strategy=ParallelStrategy(**case.strategy) if case.strategy is not None else "auto",
         max_steps=case.steps,
+        limit_train_batches=case.limit_train_batches,
         accumulate_grad_batches=case.accumulate_grad_batches,
         gradient_clip_val=case.gradient_clip_val,
         precision=case.precision,
@@ -84,7 +94,9 @@ def train(case: Case, devices: int = 1, callbacks: list[Callback] = ()) -> Resul
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, datamodule=data)
+    trainer.fit(model, datamodule=data, ckpt_path=resume_from)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     result.params = {name: tensor.clone() for name, tensor in state.items()}
     return result
