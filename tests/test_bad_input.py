@@ -28,6 +28,11 @@ def test_world_size_must_equal_the_product_of_the_degrees() -> None:
         (dict(microbatches=0), r"microbatches=0 must be a positive integer"),
         (dict(activation_checkpointing="some"), r"activation_checkpointing='some' is not one of None, 'full'"),
         (dict(zero_stage=1, cpu_offload=True), r"cpu_offload=True needs .* zero_stage=1. Use zero_stage=2 or 3"),
+        (dict(tensor_parallel_size=0), r"tensor_parallel_size=0 must be a positive integer or 'auto'"),
+        (
+            dict(tensor_parallel_size=2, zero_stage=1, sequence_parallel=False),
+            r"tensor_parallel_size=2 with zero_stage=1: tensor parallelism composes with FSDP2 .* zero_stage 2 or 3",
+        ),
     ],
 )
 def test_invalid_options_are_rejected_when_the_strategy_is_built(options: dict, message: str) -> None:
@@ -43,7 +48,7 @@ def test_cpu_offload_on_cpu_accelerator_is_rejected() -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (dict(tensor_parallel_size=2), r"tensor_parallel_size=2: tensor parallelism is not in this lightdist release"),
+        (dict(tensor_parallel_size=2), r"tensor_parallel_size=2 with sequence_parallel=True: sequence parallelism is"),
         (dict(pipeline_parallel_size=2), r"pipeline_parallel_size=2: pipeline parallelism is not in this lightdist"),
     ],
 )

@@ -39,8 +39,9 @@ def lightdist_fit(
 
 
 @pytest.mark.multirank
-def test_main_job_config_trains_and_saves_a_sharded_checkpoint(tmp_path: Path) -> None:
-    run = lightdist_fit("zero3_cpu.yaml", cwd=tmp_path)
+@pytest.mark.parametrize("config", ["tp2_zero3_cpu.yaml", "zero3_cpu.yaml"])
+def test_config_trains_and_saves_a_sharded_checkpoint(tmp_path: Path, config: str) -> None:
+    run = lightdist_fit(config, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     checkpoints = list((tmp_path / "runs").rglob("*.ckpt"))
     assert len(checkpoints) == 1, checkpoints
@@ -64,14 +65,19 @@ def test_registered_strategy_name_works_from_the_command_line(tmp_path: Path) ->
     assert "strategy: lightdist_zero2" in (tmp_path / "runs" / "zero3_cpu" / "config.yaml").read_text()
 
 
+DATA_PARALLEL = "pp=1 x dp=2 x tp=1"
+
+
 @pytest.mark.parametrize(
-    ("name", "zero_stage"),
-    [("lightdist", 3), ("lightdist_ddp", 0)] + [(f"lightdist_zero{stage}", stage) for stage in (1, 2, 3)],
+    ("name", "zero_stage", "layout"),
+    [("lightdist", 3, DATA_PARALLEL), ("lightdist_ddp", 0, DATA_PARALLEL)]
+    + [(f"lightdist_zero{stage}", stage, DATA_PARALLEL) for stage in (1, 2, 3)]
+    + [("lightdist_tp", 3, "pp=1 x dp=1 x tp=2")],
 )
-def test_registered_names_choose_the_zero_stage(name: str, zero_stage: int) -> None:
+def test_registered_names_choose_the_layout(name: str, zero_stage: int, layout: str) -> None:
     trainer = Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
     assert trainer.strategy.zero_stage == zero_stage
-    assert str(trainer.strategy.layout) == "pp=1 x dp=2 x tp=1"
+    assert str(trainer.strategy.layout) == layout
 
 
 def test_invalid_option_fails_in_cli_validation_naming_the_option(

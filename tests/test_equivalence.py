@@ -12,6 +12,8 @@ from training import Case, Result, train_cases
 
 pytestmark = pytest.mark.multirank
 
+TP2 = dict(tensor_parallel_size=2, sequence_parallel=False)
+
 CASES = {
     2: {
         "zero0": Case(strategy=dict(zero_stage=0)),
@@ -23,12 +25,20 @@ CASES = {
         "zero2_full_checkpointing": Case(strategy=dict(zero_stage=2, activation_checkpointing="full")),
         "zero3_selective_checkpointing": Case(strategy=dict(zero_stage=3, activation_checkpointing="selective")),
         "gpt2_tied_zero3": Case(strategy=dict(zero_stage=3), model="gpt2", gradient_clip_val=0.1),
+        "tp2_zero3": Case(strategy=dict(TP2, zero_stage=3)),
+        "tp2_zero2_clip": Case(strategy=dict(TP2, zero_stage=2), gradient_clip_val=0.1),
+        "tp2_tied_embeddings": Case(strategy=dict(TP2, zero_stage=3), model="llama_tied"),
     },
     4: {
         "zero0": Case(strategy=dict(zero_stage=0)),
         "zero1": Case(strategy=dict(zero_stage=1)),
         "zero2_clip": Case(strategy=dict(zero_stage=2), gradient_clip_val=0.1),
         "zero3_accumulate_clip": Case(strategy=dict(zero_stage=3), accumulate_grad_batches=2, gradient_clip_val=0.1),
+        "tp2_dp2_zero3_clip": Case(strategy=dict(TP2, zero_stage=3), gradient_clip_val=0.1),
+        "tp2_dp2_zero2_accumulate": Case(strategy=dict(TP2, zero_stage=2), accumulate_grad_batches=2),
+        "tp2_dp2_zero3_selective_checkpointing": Case(
+            strategy=dict(TP2, zero_stage=3, activation_checkpointing="selective")
+        ),
     },
 }
 
@@ -43,7 +53,8 @@ def parallel_results(world_size: int) -> dict[str, Result]:
 @cache
 def reference_results() -> dict[Case, Result]:
     """Every single-process run the parallel cases are compared with, trained in one process."""
-    references = list(dict.fromkeys(case.reference(dp) for dp, cases in CASES.items() for case in cases.values()))
+    references = [case.reference(world_size) for world_size, cases in CASES.items() for case in cases.values()]
+    references = list(dict.fromkeys(references))
     return dict(zip(references, run_ranks(1, train_cases, references)[0], strict=True))
 
 
@@ -53,7 +64,7 @@ def reference_results() -> dict[Case, Result]:
 def test_parallel_run_matches_single_process(world_size: int, name: str) -> None:
     case = CASES[world_size][name]
     parallel = parallel_results(world_size)[name]
-    single = reference_results()[case.reference(dp=world_size)]
+    single = reference_results()[case.reference(world_size)]
 
     assert len(parallel.losses) == case.steps * case.accumulate_grad_batches
     torch.testing.assert_close(parallel.losses, single.losses, rtol=1e-5, atol=0)
@@ -65,5 +76,5 @@ def test_parallel_run_matches_single_process(world_size: int, name: str) -> None
 
 def test_training_moves_the_weights() -> None:
     """Guards the comparison above: a run that did not train would match nothing but itself."""
-    trained = reference_results()[CASES[2]["zero3"].reference(dp=2)]
+    trained = reference_results()[CASES[2]["zero3"].reference(world_size=2)]
     assert trained.losses[-1] < trained.losses[0]

@@ -26,30 +26,33 @@ class _StopAfter(Callback):
         trainer.should_stop = trainer.global_step >= self.steps
 
 
-def stop_and_resume(saved_with: dict, resumed_with: dict, checkpoint: str) -> tuple[Result, Result]:
-    uninterrupted = train(Case(strategy=resumed_with, steps=2 * EPOCH, limit_train_batches=EPOCH), devices=2)
-    stopped = Case(strategy=saved_with, steps=2 * EPOCH, limit_train_batches=EPOCH)
-    train(stopped, devices=2, callbacks=[_StopAfter(EPOCH)], save_to=checkpoint)
-    resumed = train(
-        Case(strategy=resumed_with, steps=2 * EPOCH, limit_train_batches=EPOCH), devices=2, resume_from=checkpoint
-    )
-    return uninterrupted, resumed
+def two_epochs(batch_size: int = 4, **strategy) -> Case:
+    return Case(strategy=strategy, steps=2 * EPOCH, limit_train_batches=EPOCH, batch_size=batch_size)
+
+
+def stop_and_resume(saved: Case, resumed: Case, checkpoint: str) -> tuple[Result, Result]:
+    uninterrupted = train(resumed, devices=2)
+    train(saved, devices=2, callbacks=[_StopAfter(EPOCH)], save_to=checkpoint)
+    return uninterrupted, train(resumed, devices=2, resume_from=checkpoint)
 
 
 @pytest.mark.parametrize(
-    ("saved_with", "resumed_with"),
+    ("saved", "resumed"),
     [
-        (dict(zero_stage=0), dict(zero_stage=0)),
-        (dict(zero_stage=2), dict(zero_stage=2)),
-        (dict(zero_stage=3), dict(zero_stage=3)),
-        (dict(zero_stage=3), dict(zero_stage=0)),  # sharded on save, replicated on load
+        (two_epochs(zero_stage=0), two_epochs(zero_stage=0)),
+        (two_epochs(zero_stage=2), two_epochs(zero_stage=2)),
+        (two_epochs(zero_stage=3), two_epochs(zero_stage=3)),
+        (two_epochs(zero_stage=3), two_epochs(zero_stage=0)),  # sharded on save, replicated on load
+        # layers split across 2 ranks on save, whole on each of 2 data-parallel ranks on load: same global batch
+        (two_epochs(tensor_parallel_size=2, sequence_parallel=False), two_epochs(batch_size=2, zero_stage=3)),
     ],
-    ids=["zero0", "zero2", "zero3", "zero3_to_zero0"],
+    ids=["zero0", "zero2", "zero3", "zero3_to_zero0", "tp2_to_dp2"],
 )
-def test_resumed_run_continues_the_uninterrupted_one(tmp_path: Path, saved_with: dict, resumed_with: dict) -> None:
-    (uninterrupted, resumed), _ = run_ranks(2, stop_and_resume, saved_with, resumed_with, str(tmp_path / "ckpt"))
+def test_resumed_run_continues_the_uninterrupted_one(tmp_path: Path, saved: Case, resumed: Case) -> None:
+    (uninterrupted, resumed_run), _ = run_ranks(2, stop_and_resume, saved, resumed, str(tmp_path / "ckpt"))
 
-    assert len(resumed.losses) == EPOCH
-    torch.testing.assert_close(resumed.losses, uninterrupted.losses[EPOCH:], rtol=1e-6, atol=0)
+    # The equivalence tests' tolerance: a run whose first half ran under another layout summed in another order.
+    assert len(resumed_run.losses) == EPOCH
+    torch.testing.assert_close(resumed_run.losses, uninterrupted.losses[EPOCH:], rtol=1e-5, atol=0)
     for key, value in uninterrupted.params.items():
-        torch.testing.assert_close(resumed.params[key], value, rtol=1e-6, atol=1e-6, msg=key)
+        torch.testing.assert_close(resumed_run.params[key], value, rtol=1e-5, atol=1e-5, msg=key)

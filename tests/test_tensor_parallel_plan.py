@@ -1,0 +1,71 @@
+"""How the tensor-parallel plan is found, and every way it can fail, without starting a process."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from lightdist.models import GPT2, Llama
+from lightdist.structure import find_decoder_stack
+from lightdist.tensor_parallel import check_divisible, discover_plan
+
+
+def plan_of(model: nn.Module, **options) -> dict[str, str]:
+    return discover_plan(model, find_decoder_stack(model), **options)
+
+
+def test_llama_blocks_split_column_then_row_with_vocab_parallel_ends() -> None:
+    plan = plan_of(Llama("tiny"))
+    assert {name: style for name, style in plan.items() if name.startswith("model.layers.0.")} == {
+        "model.layers.0.self_attn.q_proj": "colwise",
+        "model.layers.0.self_attn.k_proj": "colwise",
+        "model.layers.0.self_attn.v_proj": "colwise",
+        "model.layers.0.self_attn.o_proj": "rowwise",
+        "model.layers.0.mlp.gate_proj": "colwise",
+        "model.layers.0.mlp.up_proj": "colwise",
+        "model.layers.0.mlp.down_proj": "rowwise",
+        "model.layers.0.input_layernorm": "replicate",
+        "model.layers.0.post_attention_layernorm": "replicate",
+    }
+    assert plan["model.embed_tokens"] == "vocab"
+    assert plan["model.lm_head"] == "head"
+    assert plan["model.norm"] == "replicate"
+
+
+def test_explicit_plan_patterns_replace_discovery() -> None:
+    plan = plan_of(Llama("tiny"), tp_plan={"model.layers.*.mlp.up_proj": "colwise", "model.lm_head": "head"})
+    assert plan["model.layers.3.mlp.up_proj"] == "colwise"
+    assert plan["model.layers.3.self_attn.q_proj"] == "replicate"  # not named: every rank keeps it whole
+    assert plan["model.embed_tokens"] == "replicate"
+
+
+def test_fused_qkv_has_no_plan_yet_and_the_error_lists_the_layers() -> None:
+    with pytest.raises(ValueError, match=r"Linear layers are c_attn, c_fc, c_proj, and no known family .* tp_plan"):
+        plan_of(GPT2("tiny"))
+
+
+def test_tp_plan_pattern_that_matches_nothing() -> None:
+    with pytest.raises(ValueError, match=r"tp_plan pattern 'model.layers.\*.attn.wq' matches no module of Llama"):
+        plan_of(Llama("tiny"), tp_plan={"model.layers.*.attn.wq": "colwise"})
+
+
+def test_tp_plan_unknown_style() -> None:
+    with pytest.raises(ValueError, match=r"tp_plan\['model.lm_head'\]='diagonal' is not one of colwise, rowwise"):
+        plan_of(Llama("tiny"), tp_plan={"model.lm_head": "diagonal"})
+
+
+@pytest.mark.parametrize(
+    ("config", "tp", "message"),
+    [
+        ({}, 3, r"tensor_parallel_size=3 does not divide num_heads=4 of model.layers.0.self_attn"),
+        ({}, 4, r"does not divide num_key_value_heads=2 of model.layers.0.self_attn: .* \(replicating key/value heads"),
+        ({"n_heads": 8, "n_kv_heads": 8, "ffn_dim": 170}, 4, r"output features of model.layers.0.mlp.gate_proj \("),
+        ({"vocab_size": 67}, 2, r"vocabulary size of model.lm_head \(out_features=67\).* pad the vocabulary"),
+    ],
+    ids=["heads", "kv_heads", "ffn", "vocab"],
+)
+def test_splits_that_do_not_divide(config: dict, tp: int, message: str) -> None:
+    model = Llama("tiny", config=config)
+    stack = find_decoder_stack(model)
+    with pytest.raises(ValueError, match=message):
+        check_divisible(model, stack, discover_plan(model, stack), tp)
