@@ -1,19 +1,27 @@
-"""The ``lightdist`` command: Lightning's own CLI, with lightdist's strategy names registered.
+"""The ``lightdist`` command: Lightning's own CLI, with lightdist's strategy names registered, and ``plan``.
 
 ``lightdist fit --config configs/zero3_cpu.yaml`` trains; every strategy option can be set from YAML or as
 ``--trainer.strategy.init_args.zero_stage=2``, and a registered name works as ``--trainer.strategy=lightdist_zero2``.
+``lightdist plan --config ...`` shows what tensor parallelism will do to the model, without allocating it.
 """
 
 from __future__ import annotations
 
+import sys
+
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
 import lightdist  # noqa: F401  (registers the strategy names before the config is parsed)
+from lightdist import plan
 
 __all__ = ["main"]
 
 
 def main(args: ArgsType = None) -> None:
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["plan"]:
+        plan.main(argv[1:])
+        return
     LightningCLI(save_config_kwargs={"overwrite": True}, args=args)
 
 

@@ -5,9 +5,10 @@ Inside each decoder block, the projections that fan out (q, k, v, gate, up) are 
 (o, down) by input features, so a block costs one all-reduce in attention and one in the MLP. The token embedding is
 split by vocabulary rows and the LM head by vocabulary columns, its logits gathered for the user's loss.
 
-A plan is a mapping from module name to style. It comes from the ``tp_plan`` option when given (``fnmatch`` patterns,
-so ``"model.layers.*.self_attn.q_proj"`` works), otherwise from the name rules below, matched against the Linear
-layers of the first decoder block.
+A plan is a mapping from module name to style. It comes from, first that applies: the ``tp_plan`` option
+(``fnmatch`` patterns, so ``"model.layers.*.self_attn.q_proj"`` works); the model's own plan (Hugging Face models
+carry one as ``_tp_plan``); the name rules below, matched against the Linear layers of the first decoder block.
+Every other module with parameters is replicated.
 """
 
 from __future__ import annotations
@@ -67,6 +68,15 @@ BLOCK_RULES: dict[str, dict[str, TensorParallelStyle]] = {
 }
 
 # Attributes attention code reads to reshape its projections; under tensor parallelism each rank holds 1/tp of them.
+# Hugging Face's names for the styles it writes into models' ``_tp_plan``.
+HUGGING_FACE_STYLES: dict[str, TensorParallelStyle] = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "embedding_rowwise": "vocab",
+    "colwise_gather_output": "head",
+    "replicated_with_grad_allreduce": "replicate",
+}
+
 _KEY_VALUE_HEAD_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
 HEAD_COUNT_ATTRIBUTES = ("num_heads", "n_heads", "n_head", "num_attention_heads", *_KEY_VALUE_HEAD_ATTRIBUTES)
 
@@ -109,8 +119,11 @@ def discover_plan(
     model: nn.Module, stack: DecoderStack, *, tp_plan: dict[str, TensorParallelStyle] | None = None
 ) -> dict[str, TensorParallelStyle]:
     """The style of every module that tensor parallelism changes, by full module name."""
+    own_plan = _hugging_face_plan(model)
     if tp_plan is not None:
         plan = _resolve_patterns(model, tp_plan)
+    elif own_plan is not None:
+        plan = _resolve_patterns(model, own_plan)
     else:
         rules = _block_rules(stack)
         plan = {}
@@ -161,6 +174,23 @@ def _block_rules(stack: DecoderStack) -> dict[str, TensorParallelStyle]:
         f"Pass tp_plan, for example tp_plan={{'{stack.name}.*.attn.q': 'colwise', '{stack.name}.*.attn.out': "
         "'rowwise', ...}, with styles colwise, rowwise, vocab, head or replicate."
     )
+
+
+def _hugging_face_plan(model: nn.Module) -> dict[str, TensorParallelStyle] | None:
+    """The plan a Hugging Face model carries, in lightdist's styles and full module names."""
+    for name, module in model.named_modules():
+        own = getattr(module, "_tp_plan", None)
+        if not own:
+            continue
+        unknown = sorted({style for style in own.values() if style not in HUGGING_FACE_STYLES})
+        if unknown:
+            raise ValueError(
+                f"{type(module).__name__} carries a tensor-parallel plan with styles lightdist does not apply yet: "
+                f"{', '.join(unknown)}. Pass tp_plan to choose the styles yourself."
+            )
+        prefix = f"{name}." if name else ""
+        return {prefix + pattern: HUGGING_FACE_STYLES[style] for pattern, style in own.items()}
+    return None
 
 
 def _vocabulary_plan(model: nn.Module, stack: DecoderStack) -> dict[str, TensorParallelStyle]:

@@ -2,6 +2,15 @@
 
 from lightdist.models.data import TokenDataModule, arithmetic_corpus
 from lightdist.models.gpt2 import GPT2, GPT2Config
+from lightdist.models.huggingface import HuggingFaceCausalLM
 from lightdist.models.llama import Llama, LlamaConfig
 
-__all__ = ["GPT2", "GPT2Config", "Llama", "LlamaConfig", "TokenDataModule", "arithmetic_corpus"]
+__all__ = [
+    "GPT2",
+    "GPT2Config",
+    "HuggingFaceCausalLM",
+    "Llama",
+    "LlamaConfig",
+    "TokenDataModule",
+    "arithmetic_corpus",
+]

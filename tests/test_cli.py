@@ -88,3 +88,23 @@ def test_invalid_option_fails_in_cli_validation_naming_the_option(
         main(["fit", "--config", str(CONFIGS / "zero3_cpu.yaml"), "--trainer.strategy.init_args.zero_stage=7"])
     assert exit_info.value.code != 0
     assert 'Parser key "zero_stage"' in capsys.readouterr().err
+
+
+def test_plan_shows_every_split_of_a_70b_model_without_allocating_it(capsys: pytest.CaptureFixture) -> None:
+    main(["plan", "--model", "lightdist.models.Llama", "--init-args", '{"preset": "70b"}', "--tp", "8"])
+    lines = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
+    assert lines[0] == "Llama: 80 blocks in model.layers, tensor_parallel_size=8"
+    assert "model.layers.*.self_attn.k_proj colwise (1024, 8192) -> (128, 8192)" in lines
+    assert "model.embed_tokens vocab (128256, 8192) -> (16032, 8192)" in lines
+
+
+def test_plan_reads_the_model_and_tp_size_from_a_config(capsys: pytest.CaptureFixture) -> None:
+    main(["plan", "--config", str(CONFIGS / "tp2_zero3_cpu.yaml")])
+    assert capsys.readouterr().out.startswith("Llama: 4 blocks in model.layers, tensor_parallel_size=2\n")
+
+
+def test_plan_rejects_a_split_that_does_not_divide(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", "lightdist.models.Llama", "--tp", "3"])
+    assert exit_info.value.code == 2
+    assert "tensor_parallel_size=3 does not divide num_heads=4" in capsys.readouterr().err

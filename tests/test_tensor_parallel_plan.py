@@ -9,6 +9,8 @@ from lightdist.models import GPT2, Llama
 from lightdist.structure import find_decoder_stack
 from lightdist.tensor_parallel import check_divisible, discover_plan
 
+from training import MODELS
+
 
 def plan_of(model: nn.Module, **options) -> dict[str, str]:
     return discover_plan(model, find_decoder_stack(model), **options)
@@ -30,6 +32,15 @@ def test_llama_blocks_split_column_then_row_with_vocab_parallel_ends() -> None:
     assert plan["model.embed_tokens"] == "vocab"
     assert plan["model.lm_head"] == "head"
     assert plan["model.norm"] == "replicate"
+
+
+def test_hugging_face_models_bring_their_own_plan() -> None:
+    plan = plan_of(MODELS["hf_qwen2"]())
+    assert plan["model.model.layers.1.self_attn.k_proj"] == "colwise"  # Qwen2's q/k/v carry biases: split with them
+    assert plan["model.model.layers.1.mlp.down_proj"] == "rowwise"
+    assert plan["model.model.embed_tokens"] == "vocab"
+    assert plan["model.lm_head"] == "head"
+    assert plan["model.model.layers.1.input_layernorm"] == "replicate"
 
 
 def test_explicit_plan_patterns_replace_discovery() -> None:

@@ -19,10 +19,17 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from lightdist.models import GPT2, Llama, TokenDataModule
+from lightdist.models import GPT2, HuggingFaceCausalLM, Llama, TokenDataModule
 from lightdist.plugins import ParallelStrategy
 
-MODELS = {"llama": Llama, "llama_tied": partial(Llama, config={"tie_embeddings": True}), "gpt2": GPT2}
+HF_TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4)
+MODELS = {
+    "llama": partial(Llama, "tiny"),
+    "llama_tied": partial(Llama, "tiny", config={"tie_embeddings": True}),
+    "gpt2": partial(GPT2, "tiny"),
+    "hf_llama": partial(HuggingFaceCausalLM, config=dict(HF_TINY, model_type="llama", num_key_value_heads=2)),
+    "hf_qwen2": partial(HuggingFaceCausalLM, config=dict(HF_TINY, model_type="qwen2", num_key_value_heads=2)),
+}
 
 
 @dataclass(frozen=True)
@@ -80,7 +87,7 @@ def train(
 ) -> Result:
     """Train ``case``, optionally resuming from a checkpoint first and saving one at the end."""
     seed_everything(1234, workers=True)
-    model = MODELS[case.model](preset="tiny", learning_rate=1e-3, warmup_steps=2)
+    model = MODELS[case.model](learning_rate=1e-3, warmup_steps=2)
     data = TokenDataModule(
         seq_len=case.seq_len, batch_size=case.batch_size, shuffle=False, val_fraction=0.0, synthetic_tokens=65_536
     )

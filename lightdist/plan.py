@@ -1,0 +1,84 @@
+"""``lightdist plan``: what tensor parallelism will do to a model, shown before any memory is spent.
+
+The model is built on the meta device, so a 70B model plans in a second on a laptop.
+
+    lightdist plan --model lightdist.models.Llama --init-args '{"preset": "70b"}' --tp 8
+    lightdist plan --config configs/tp2_zero3_cpu.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+from pathlib import Path
+
+import torch
+import yaml
+from torch import nn
+
+from lightdist.structure import find_decoder_stack
+from lightdist.tensor_parallel import TensorParallelStyle, check_divisible, discover_plan
+
+__all__ = ["format_plan", "main"]
+
+
+def _split_shape(shape: tuple[int, ...], style: TensorParallelStyle, tp: int) -> tuple[int, ...]:
+    """A weight's per-rank shape: output rows split for colwise/vocab/head, input columns for rowwise."""
+    if style in ("colwise", "vocab", "head"):
+        return (shape[0] // tp, *shape[1:])
+    if style == "rowwise":
+        return (*shape[:-1], shape[-1] // tp)
+    return shape
+
+
+def format_plan(model: nn.Module, tp: int, tp_plan: dict[str, TensorParallelStyle] | None = None) -> str:
+    """One line per module (blocks folded into ``*``): its style and its weight's shape, whole and per rank."""
+    stack = find_decoder_stack(model)
+    plan = discover_plan(model, stack, tp_plan=tp_plan)
+    check_divisible(model, stack, plan, tp)
+    modules = dict(model.named_modules())
+    block = re.compile(rf"^{re.escape(stack.name)}\.\d+\.")
+    lines = {}
+    for name, style in plan.items():
+        weight = getattr(modules[name], "weight", None)
+        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else ()
+        folded = block.sub(f"{stack.name}.*.", name)
+        lines[folded] = f"  {folded:<48} {style:<10} {shape!s:>16} -> {_split_shape(shape, style, tp)}"
+    header = (
+        f"{type(model).__name__}: {len(stack)} blocks in {stack.name}, tensor_parallel_size={tp}\n"
+        f"  {'module':<48} {'style':<10} {'weight':>16} -> per rank"
+    )
+    return "\n".join([header, *lines.values()])
+
+
+def _build_on_meta(class_path: str, init_args: dict) -> nn.Module:
+    module_name, _, class_name = class_path.rpartition(".")
+    model_class = getattr(importlib.import_module(module_name), class_name)
+    with torch.device("meta"):
+        return model_class(**init_args)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="lightdist plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, help="a LightningCLI config: its model, and its strategy's tp size")
+    parser.add_argument("--model", help="class path of a LightningModule or nn.Module, e.g. lightdist.models.Llama")
+    parser.add_argument("--init-args", default="{}", help="JSON keyword arguments for the model class")
+    parser.add_argument("--tp", type=int, help="tensor_parallel_size (default: the config's, else 2)")
+    args = parser.parse_args(argv)
+
+    class_path, init_args, tp, tp_plan = args.model, json.loads(args.init_args), args.tp, None
+    if args.config is not None:
+        config = yaml.safe_load(args.config.read_text())
+        class_path = class_path or config["model"]["class_path"]
+        init_args = {**config["model"].get("init_args", {}), **init_args}
+        strategy = (config.get("trainer", {}).get("strategy") or {}).get("init_args", {})
+        tp = tp or strategy.get("tensor_parallel_size")
+        tp_plan = strategy.get("tp_plan")
+    if class_path is None:
+        parser.error("name the model with --model or --config.")
+    try:
+        print(format_plan(_build_on_meta(class_path, init_args), tp or 2, tp_plan))
+    except ValueError as error:
+        parser.exit(2, f"lightdist plan: {error}\n")
