@@ -18,13 +18,14 @@ from typing import Literal
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightdist.structure import DecoderStack
 
 __all__ = [
     "BLOCK_RULES",
+    "GatherSequence",
     "ReplicateParallel",
     "TensorParallelStyle",
     "apply_tensor_parallel",
@@ -85,34 +86,69 @@ class ReplicateParallel(ParallelStyle):
     """Every rank holds the whole module; its parameters become ``Replicate`` DTensors on the tensor-parallel mesh.
 
     Norms and other unsplit modules then live on the same mesh as the split ones, so FSDP2 lays all parameters out
-    on one (dp, tp) mesh, and the global gradient norm and checkpoints see a single layout.
+    on one (dp, tp) mesh, and the global gradient norm and checkpoints see a single layout. Outputs are local tensors
+    where the inputs were, and DTensors where they were DTensors (the sequence-parallel residual stream, on which a
+    norm runs on each rank's share of the sequence).
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, input_fn=self._to_dtensor, output_fn=self._to_local)
+        return distribute_module(module, device_mesh, input_fn=self._to_dtensor, output_fn=self._like_inputs)
 
     @staticmethod
     def _to_dtensor(module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
+        module._lightdist_local_inputs = any(_is_local(x) for x in inputs)
         return tuple(
             DTensor.from_local(x, device_mesh, [Replicate()], run_check=False) if _is_local(x) else x for x in inputs
         )
 
     @staticmethod
-    def _to_local(module: nn.Module, output, device_mesh: DeviceMesh):
-        return output.to_local() if isinstance(output, DTensor) else output
+    def _like_inputs(module: nn.Module, output, device_mesh: DeviceMesh):
+        return output.to_local() if module._lightdist_local_inputs and isinstance(output, DTensor) else output
+
+
+class GatherSequence(ParallelStyle):
+    """Sequence parallelism's entry into attention and MLP: sequence-sharded inputs become whole sequences.
+
+    The inputs stay DTensors (``Replicate``), so the column-parallel projections inside return partial input
+    gradients and this all-gather's backward is the reduce-scatter that sums them. The module itself sees the whole
+    sequence, also in ``x.shape``.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(_gather_sequence, with_kwargs=True)
+        return module
+
+
+def _gather_sequence(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def whole(x):
+        return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim) if isinstance(x, DTensor) else x
+
+    return tuple(whole(x) for x in args), {key: whole(value) for key, value in kwargs.items()}
 
 
 def _is_local(x) -> bool:
     return isinstance(x, Tensor) and not isinstance(x, DTensor)
 
 
-_STYLES: dict[TensorParallelStyle, ParallelStyle] = {
-    "colwise": ColwiseParallel(),
-    "rowwise": RowwiseParallel(),
-    "vocab": RowwiseParallel(input_layouts=Replicate()),  # embedding rows split by token id
-    "head": ColwiseParallel(output_layouts=Replicate()),  # logits gathered: the user's loss sees all of them
-    "replicate": ReplicateParallel(),
-}
+def _styles(*, sequence_parallel: bool) -> dict[TensorParallelStyle, ParallelStyle]:
+    if not sequence_parallel:
+        return {
+            "colwise": ColwiseParallel(),
+            "rowwise": RowwiseParallel(),
+            "vocab": RowwiseParallel(input_layouts=Replicate()),  # embedding rows split by token id
+            "head": ColwiseParallel(output_layouts=Replicate()),  # logits gathered: the user's loss sees all of them
+            "replicate": ReplicateParallel(),
+        }
+    # Between blocks the residual stream is a DTensor split along the sequence (dim 1): norms run on each rank's
+    # share, row-parallel outputs are reduce-scattered into it, and GatherSequence gathers it for attention and MLP.
+    sequence = Shard(1)
+    return {
+        "colwise": ColwiseParallel(),
+        "rowwise": RowwiseParallel(output_layouts=sequence, use_local_output=False),
+        "vocab": RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence, use_local_output=False),
+        "head": ColwiseParallel(input_layouts=sequence, output_layouts=Replicate()),
+        "replicate": ReplicateParallel(),
+    }
 
 
 def discover_plan(
@@ -140,17 +176,27 @@ def discover_plan(
 
 
 def apply_tensor_parallel(
-    model: nn.Module, stack: DecoderStack, tp_mesh: DeviceMesh, *, plan: dict[str, TensorParallelStyle]
+    model: nn.Module,
+    stack: DecoderStack,
+    tp_mesh: DeviceMesh,
+    *,
+    plan: dict[str, TensorParallelStyle],
+    sequence_parallel: bool = True,
 ) -> None:
     """Split ``model`` across ``tp_mesh`` by ``plan``, after checking every split divides evenly.
 
     Parameters become DTensors on ``tp_mesh``; modules' head-count attributes become per-rank counts, so attention
-    code that reshapes with ``view(B, T, self.num_heads, head_dim)`` keeps working unchanged.
+    code that reshapes with ``view(B, T, self.num_heads, head_dim)`` keeps working unchanged. With
+    ``sequence_parallel``, activations between blocks are split along the sequence as well.
     """
     tp = tp_mesh.size()
     check_divisible(model, stack, plan, tp)
     tied = _tied_weights(model)
-    parallelize_module(model, tp_mesh, {name: _STYLES[style] for name, style in plan.items()})
+    styles = _styles(sequence_parallel=sequence_parallel)
+    parallel_plan: dict[str, ParallelStyle] = {name: styles[style] for name, style in plan.items()}
+    if sequence_parallel:
+        parallel_plan.update(dict.fromkeys(_column_parallel_parents(stack, plan), GatherSequence()))
+    parallelize_module(model, tp_mesh, parallel_plan)
     for owner, user in tied:
         # Parallelising each module gave the shared weight two DTensors; both are split by vocabulary, so one serves.
         user.weight = owner.weight
@@ -159,6 +205,22 @@ def apply_tensor_parallel(
             for attribute in HEAD_COUNT_ATTRIBUTES:
                 if isinstance(getattr(module, attribute, None), int):
                     setattr(module, attribute, getattr(module, attribute) // tp)
+
+
+def _column_parallel_parents(stack: DecoderStack, plan: dict[str, TensorParallelStyle]) -> set[str]:
+    """The attention and MLP modules: parents of a block's column-parallel projections, where sequences are gathered."""
+    parents = set()
+    for name, style in plan.items():
+        parent = name.rsplit(".", 1)[0]
+        if style != "colwise" or not _inside(name, stack.name):
+            continue
+        if parent.count(".") == stack.name.count(".") + 1:
+            raise ValueError(
+                f"sequence_parallel=True needs the projections of a block inside submodules (attention, MLP), but "
+                f"{name} sits directly in its block. Pass sequence_parallel=False."
+            )
+        parents.add(parent)
+    return parents
 
 
 def _block_rules(stack: DecoderStack) -> dict[str, TensorParallelStyle]:
@@ -215,8 +277,8 @@ def _resolve_patterns(model: nn.Module, tp_plan: dict[str, TensorParallelStyle])
     names = [name for name, _ in model.named_modules() if name]
     plan: dict[str, TensorParallelStyle] = {}
     for pattern, style in tp_plan.items():
-        if style not in _STYLES:
-            raise ValueError(f"tp_plan[{pattern!r}]={style!r} is not one of {', '.join(_STYLES)}.")
+        if style not in TensorParallelStyle.__args__:
+            raise ValueError(f"tp_plan[{pattern!r}]={style!r} is not one of {', '.join(TensorParallelStyle.__args__)}.")
         matches = [name for name in names if fnmatchcase(name, pattern)]
         if not matches:
             raise ValueError(

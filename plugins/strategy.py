@@ -77,7 +77,8 @@ class ParallelStrategy(ModelParallelStrategy):
         microbatches: Microbatches per batch under a pipeline (default: ``pipeline_parallel_size``).
         activation_checkpointing: Recompute each block's activations in backward: ``"full"``, ``"selective"``
             (keep matmul and attention outputs) or ``None``.
-        sequence_parallel: Shard norms and dropout along the sequence inside tensor-parallel groups.
+        sequence_parallel: Under tensor parallelism, split activations between blocks along the sequence, so norms
+            run on each rank's share (Megatron's sequence parallelism).
         cpu_offload: Keep sharded parameters, gradients and optimizer state in CPU memory (ZeRO-2/3).
         tp_plan: Module-name patterns mapped to a tensor-parallel style, overriding the discovered plan.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; default: the device's own.
@@ -107,7 +108,6 @@ class ParallelStrategy(ModelParallelStrategy):
             pipeline_schedule=pipeline_schedule,
             microbatches=microbatches,
             activation_checkpointing=activation_checkpointing,
-            sequence_parallel=sequence_parallel,
             cpu_offload=cpu_offload,
         )
         super().__init__(
@@ -243,7 +243,6 @@ class ParallelStrategy(ModelParallelStrategy):
             cls,
             description="lightdist: tensor parallel across each node's devices, ZeRO-3 across nodes",
             tensor_parallel_size="auto",
-            sequence_parallel=False,
         )
         for stage, shards in ((1, "optimizer state"), (2, "optimizer state and gradients"), (3, "everything")):
             strategy_registry.register(
@@ -287,7 +286,9 @@ class ParallelStrategy(ModelParallelStrategy):
         stack = find_decoder_stack(module)
         if self.layout.tp > 1:
             plan = discover_plan(module, stack, tp_plan=self._tp_plan)
-            apply_tensor_parallel(module, stack, self.device_mesh["tp"], plan=plan)
+            apply_tensor_parallel(
+                module, stack, self.device_mesh["tp"], plan=plan, sequence_parallel=self._sequence_parallel
+            )
         if self._activation_checkpointing is not None:
             apply_activation_checkpointing(stack, mode=self._activation_checkpointing)
         root = _ParallelRoot(module)
@@ -325,7 +326,6 @@ def _validate_options(
     pipeline_schedule: str,
     microbatches: int | None,
     activation_checkpointing: str | None,
-    sequence_parallel: bool,
     cpu_offload: bool,
 ) -> None:
     """Reject impossible options when the strategy is built, before any process or tensor exists."""
@@ -359,11 +359,6 @@ def _validate_options(
             f"tensor_parallel_size={tensor_parallel_size} with zero_stage={zero_stage}: tensor parallelism composes "
             "with FSDP2 sharding over the data-parallel ranks, zero_stage 2 or 3, in this release. Use zero_stage=2 "
             "for replicated-like parameters during the step, or 3."
-        )
-    if tensor_parallel_size != 1 and sequence_parallel:
-        raise NotImplementedError(
-            f"tensor_parallel_size={tensor_parallel_size} with sequence_parallel=True: sequence parallelism is not in "
-            "this lightdist release yet (it is being built). Pass sequence_parallel=False."
         )
     if pipeline_parallel_size > 1:
         raise NotImplementedError(

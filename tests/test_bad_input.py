@@ -30,7 +30,7 @@ def test_world_size_must_equal_the_product_of_the_degrees() -> None:
         (dict(zero_stage=1, cpu_offload=True), r"cpu_offload=True needs .* zero_stage=1. Use zero_stage=2 or 3"),
         (dict(tensor_parallel_size=0), r"tensor_parallel_size=0 must be a positive integer or 'auto'"),
         (
-            dict(tensor_parallel_size=2, zero_stage=1, sequence_parallel=False),
+            dict(tensor_parallel_size=2, zero_stage=1),
             r"tensor_parallel_size=2 with zero_stage=1: tensor parallelism composes with FSDP2 .* zero_stage 2 or 3",
         ),
     ],
@@ -48,7 +48,6 @@ def test_cpu_offload_on_cpu_accelerator_is_rejected() -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (dict(tensor_parallel_size=2), r"tensor_parallel_size=2 with sequence_parallel=True: sequence parallelism is"),
         (dict(pipeline_parallel_size=2), r"pipeline_parallel_size=2: pipeline parallelism is not in this lightdist"),
     ],
 )

@@ -12,7 +12,8 @@ from training import Case, Result, train_cases
 
 pytestmark = pytest.mark.multirank
 
-TP2 = dict(tensor_parallel_size=2, sequence_parallel=False)
+TP2 = dict(tensor_parallel_size=2)  # with sequence parallelism, the default
+TP2_NO_SP = dict(tensor_parallel_size=2, sequence_parallel=False)
 
 CASES = {
     2: {
@@ -27,6 +28,7 @@ CASES = {
         "gpt2_tied_zero3": Case(strategy=dict(zero_stage=3), model="gpt2", gradient_clip_val=0.1),
         "tp2_zero3": Case(strategy=dict(TP2, zero_stage=3)),
         "tp2_zero2_clip": Case(strategy=dict(TP2, zero_stage=2), gradient_clip_val=0.1),
+        "tp2_without_sequence_parallel": Case(strategy=dict(TP2_NO_SP, zero_stage=3), gradient_clip_val=0.1),
         "tp2_tied_embeddings": Case(strategy=dict(TP2, zero_stage=3), model="llama_tied"),
         "hf_llama_zero3": Case(strategy=dict(zero_stage=3), model="hf_llama"),
         "hf_llama_tp2": Case(strategy=dict(TP2, zero_stage=3), model="hf_llama", gradient_clip_val=0.1),
@@ -38,6 +40,7 @@ CASES = {
         "zero3_accumulate_clip": Case(strategy=dict(zero_stage=3), accumulate_grad_batches=2, gradient_clip_val=0.1),
         "tp2_dp2_zero3_clip": Case(strategy=dict(TP2, zero_stage=3), gradient_clip_val=0.1),
         "tp2_dp2_zero2_accumulate": Case(strategy=dict(TP2, zero_stage=2), accumulate_grad_batches=2),
+        "tp2_dp2_without_sequence_parallel": Case(strategy=dict(TP2_NO_SP, zero_stage=3), model="hf_llama"),
         "hf_qwen2_tp2_dp2_zero2": Case(strategy=dict(TP2, zero_stage=2), model="hf_qwen2", gradient_clip_val=0.1),
         "tp2_dp2_zero3_selective_checkpointing": Case(
             strategy=dict(TP2, zero_stage=3, activation_checkpointing="selective")

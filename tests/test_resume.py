@@ -44,7 +44,7 @@ def stop_and_resume(saved: Case, resumed: Case, checkpoint: str) -> tuple[Result
         (two_epochs(zero_stage=3), two_epochs(zero_stage=3)),
         (two_epochs(zero_stage=3), two_epochs(zero_stage=0)),  # sharded on save, replicated on load
         # layers split across 2 ranks on save, whole on each of 2 data-parallel ranks on load: same global batch
-        (two_epochs(tensor_parallel_size=2, sequence_parallel=False), two_epochs(batch_size=2, zero_stage=3)),
+        (two_epochs(tensor_parallel_size=2), two_epochs(batch_size=2, zero_stage=3)),
     ],
     ids=["zero0", "zero2", "zero3", "zero3_to_zero0", "tp2_to_dp2"],
 )

@@ -1,0 +1,71 @@
+"""Sequence parallelism is really on: between blocks each tensor-parallel rank holds its share of the sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from lightning.pytorch import Callback
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from lightdist.structure import find_decoder_stack
+from lightdist.tensor_parallel import apply_tensor_parallel, discover_plan
+
+import training
+from multirank import run_ranks
+from training import Case
+
+pytestmark = pytest.mark.multirank
+
+
+class _RecordNormInput(Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple] = []
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        norm = pl_module.model.layers[0].input_layernorm
+        norm.register_forward_hook(lambda module, args, output: self.seen.append(_layout(args[0])))
+
+
+def _layout(x: DTensor) -> tuple:
+    return tuple(x.placements), tuple(x.to_local().shape)
+
+
+def norm_input_layouts(sequence_parallel: bool) -> list[tuple]:
+    probe = _RecordNormInput()
+    case = Case(strategy=dict(tensor_parallel_size=2, sequence_parallel=sequence_parallel), steps=1, seq_len=32)
+    training.train(case, devices=2, callbacks=[probe])
+    return probe.seen
+
+
+def test_norms_see_half_the_sequence_with_sequence_parallel() -> None:
+    with_sp, _ = run_ranks(2, norm_input_layouts, True)
+    without_sp, _ = run_ranks(2, norm_input_layouts, False)
+    assert set(with_sp) == {((Shard(dim=1),), (4, 16, 64))}  # batch 4, 32 tokens split over 2 ranks, width 64
+    assert set(without_sp) == {((Replicate(),), (4, 32, 64))}  # every rank, the whole sequence
+
+
+class _FlatBlock(nn.Module):
+    """Projections straight in the block, with no attention or MLP submodule to gather the sequence for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
+
+
+def split_flat_model() -> None:
+    dist.init_process_group("gloo")
+    model = nn.Module()
+    model.layers = nn.ModuleList(_FlatBlock() for _ in range(2))
+    stack = find_decoder_stack(model)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    try:
+        apply_tensor_parallel(model, stack, mesh, plan=discover_plan(model, stack), sequence_parallel=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sequence_parallel_needs_attention_and_mlp_submodules() -> None:
+    with pytest.raises(RuntimeError, match=r"layers.0.q sits directly in its block. Pass sequence_parallel=False"):
+        run_ranks(2, split_flat_model)
