@@ -25,7 +25,7 @@ from lightdist.structure import DecoderStack
 
 __all__ = [
     "BLOCK_RULES",
-    "GatherSequence",
+    "ReplicateInputs",
     "ReplicateParallel",
     "TensorParallelStyle",
     "apply_tensor_parallel",
@@ -92,34 +92,38 @@ class ReplicateParallel(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, input_fn=self._to_dtensor, output_fn=self._like_inputs)
+        distribute_module(module, device_mesh)
 
-    @staticmethod
-    def _to_dtensor(module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
-        module._lightdist_local_inputs = any(_is_local(x) for x in inputs)
-        return tuple(
-            DTensor.from_local(x, device_mesh, [Replicate()], run_check=False) if _is_local(x) else x for x in inputs
-        )
+        def to_dtensors(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            module._lightdist_local_inputs = any(_is_local(x) for x in (*args, *kwargs.values()))
 
-    @staticmethod
-    def _like_inputs(module: nn.Module, output, device_mesh: DeviceMesh):
-        return output.to_local() if module._lightdist_local_inputs and isinstance(output, DTensor) else output
+            def replicated(x):
+                return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False) if _is_local(x) else x
 
+            return tuple(replicated(x) for x in args), {key: replicated(value) for key, value in kwargs.items()}
 
-class GatherSequence(ParallelStyle):
-    """Sequence parallelism's entry into attention and MLP: sequence-sharded inputs become whole sequences.
+        def like_inputs(module: nn.Module, args: tuple, output):
+            return output.to_local() if module._lightdist_local_inputs and isinstance(output, DTensor) else output
 
-    The inputs stay DTensors (``Replicate``), so the column-parallel projections inside return partial input
-    gradients and this all-gather's backward is the reduce-scatter that sums them. The module itself sees the whole
-    sequence, also in ``x.shape``.
-    """
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_pre_hook(_gather_sequence, with_kwargs=True)
+        module.register_forward_pre_hook(to_dtensors, with_kwargs=True)
+        module.register_forward_hook(like_inputs)
         return module
 
 
-def _gather_sequence(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+class ReplicateInputs(ParallelStyle):
+    """Sequence parallelism's entry into attention and MLP: the sequence-split stream is gathered whole.
+
+    The input stays a DTensor (``Replicate``), so the column-parallel projections inside (q, k, v; gate, up) return
+    partial input gradients that add up locally, and this all-gather's backward is one reduce-scatter per module
+    (Megatron's count), not one collective per projection. The module sees the whole sequence, also in ``x.shape``.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(_replicate_dtensor_inputs, with_kwargs=True)
+        return module
+
+
+def _replicate_dtensor_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     def whole(x):
         return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim) if isinstance(x, DTensor) else x
 
@@ -140,7 +144,7 @@ def _styles(*, sequence_parallel: bool) -> dict[TensorParallelStyle, ParallelSty
             "replicate": ReplicateParallel(),
         }
     # Between blocks the residual stream is a DTensor split along the sequence (dim 1): norms run on each rank's
-    # share, row-parallel outputs are reduce-scattered into it, and GatherSequence gathers it for attention and MLP.
+    # share, row-parallel outputs are reduce-scattered into it, and ReplicateInputs gathers it for attention and MLP.
     sequence = Shard(1)
     return {
         "colwise": ColwiseParallel(),
@@ -195,7 +199,7 @@ def apply_tensor_parallel(
     styles = _styles(sequence_parallel=sequence_parallel)
     parallel_plan: dict[str, ParallelStyle] = {name: styles[style] for name, style in plan.items()}
     if sequence_parallel:
-        parallel_plan.update(dict.fromkeys(_column_parallel_parents(stack, plan), GatherSequence()))
+        parallel_plan.update(dict.fromkeys(_column_parallel_parents(stack, plan), ReplicateInputs()))
     parallelize_module(model, tp_mesh, parallel_plan)
     for owner, user in tied:
         # Parallelising each module gave the shared weight two DTensors; both are split by vocabulary, so one serves.
@@ -211,9 +215,9 @@ def _column_parallel_parents(stack: DecoderStack, plan: dict[str, TensorParallel
     """The attention and MLP modules: parents of a block's column-parallel projections, where sequences are gathered."""
     parents = set()
     for name, style in plan.items():
-        parent = name.rsplit(".", 1)[0]
         if style != "colwise" or not _inside(name, stack.name):
             continue
+        parent = name.rsplit(".", 1)[0]
         if parent.count(".") == stack.name.count(".") + 1:
             raise ValueError(
                 f"sequence_parallel=True needs the projections of a block inside submodules (attention, MLP), but "

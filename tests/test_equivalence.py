@@ -32,6 +32,7 @@ CASES = {
         "tp2_tied_embeddings": Case(strategy=dict(TP2, zero_stage=3), model="llama_tied"),
         "hf_llama_zero3": Case(strategy=dict(zero_stage=3), model="hf_llama"),
         "hf_llama_tp2": Case(strategy=dict(TP2, zero_stage=3), model="hf_llama", gradient_clip_val=0.1),
+        "hf_opt_tp2_row_parallel_biases": Case(strategy=dict(TP2_NO_SP, zero_stage=3), model="hf_opt"),
     },
     4: {
         "zero0": Case(strategy=dict(zero_stage=0)),

@@ -1,14 +1,20 @@
-"""Sequence parallelism is really on: between blocks each tensor-parallel rank holds its share of the sequence."""
+"""Sequence parallelism is really on: between blocks each tensor-parallel rank holds its share of the sequence, and
+tensor parallelism communicates what Megatron's layout needs, counted with torch's CommDebugMode."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
+import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
 
+from lightdist.models import Llama
 from lightdist.structure import find_decoder_stack
 from lightdist.tensor_parallel import apply_tensor_parallel, discover_plan
 
@@ -69,3 +75,52 @@ def split_flat_model() -> None:
 def test_sequence_parallel_needs_attention_and_mlp_submodules() -> None:
     with pytest.raises(RuntimeError, match=r"layers.0.q sits directly in its block. Pass sequence_parallel=False"):
         run_ranks(2, split_flat_model)
+
+
+def count_collectives(n_layers: int, sequence_parallel: bool) -> tuple[Counter, Counter]:
+    """Collectives of one forward and one backward of the tiny Llama split over 2 ranks (names without namespace)."""
+    dist.init_process_group("gloo")
+    try:
+        torch.manual_seed(0)
+        model = Llama("tiny", config={"n_layers": n_layers})
+        stack = find_decoder_stack(model)
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        apply_tensor_parallel(model, stack, mesh, plan=discover_plan(model, stack), sequence_parallel=sequence_parallel)
+        batch = torch.randint(0, 64, (4, 33))
+        with CommDebugMode() as forward:
+            loss = model.loss(batch)
+        with CommDebugMode() as backward:
+            loss.backward()
+        return tuple(
+            Counter({str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()})
+            for mode in (forward, backward)
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def per_block(sequence_parallel: bool) -> tuple[Counter, Counter]:
+    """What two more blocks cost, halved: the embedding's and head's collectives cancel out."""
+    (forward4, backward4), _ = run_ranks(2, count_collectives, 4, sequence_parallel)
+    (forward2, backward2), _ = run_ranks(2, count_collectives, 2, sequence_parallel)
+    return _halved(forward4 - forward2), _halved(backward4 - backward2)
+
+
+def _halved(counts: Counter) -> Counter:
+    return Counter({op: n // 2 for op, n in counts.items()})
+
+
+def test_sequence_parallel_communicates_as_megatron_does() -> None:
+    # Per block and step: attention and MLP each all-gather the sequence in and reduce-scatter it out, forward and
+    # backward; together the volume of 4 all-reduces of batch x sequence x hidden.
+    forward, backward = per_block(sequence_parallel=True)
+    assert forward == Counter(all_gather_into_tensor=2, reduce_scatter_tensor=2)
+    assert backward == Counter(all_gather_into_tensor=2, reduce_scatter_tensor=2)
+
+
+def test_tensor_parallel_without_sequence_parallel_all_reduces_twice_per_block_forward() -> None:
+    forward, backward = per_block(sequence_parallel=False)
+    assert forward == Counter(all_reduce=2)
+    # Each column-parallel projection (q, k, v, gate, up) all-reduces its own input gradient: 5, where Megatron
+    # needs 2. Sequence parallelism (the default) does not pay this.
+    assert backward == Counter(all_reduce=5)

@@ -29,6 +29,11 @@ MODELS = {
     "gpt2": partial(GPT2, "tiny"),
     "hf_llama": partial(HuggingFaceCausalLM, config=dict(HF_TINY, model_type="llama", num_key_value_heads=2)),
     "hf_qwen2": partial(HuggingFaceCausalLM, config=dict(HF_TINY, model_type="qwen2", num_key_value_heads=2)),
+    # Biases on the row-parallel layers, learned positions, tied embeddings; no dropout, so runs are deterministic.
+    "hf_opt": partial(
+        HuggingFaceCausalLM,
+        config=dict(HF_TINY, model_type="opt", ffn_dim=176, word_embed_proj_dim=64, dropout=0.0),
+    ),
 }
 
 
