@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import Tensor, arange, nn
 
-from lightdist.models.lm import CausalLM, resolve_preset
+from lightdist.models.lm import PresetCausalLM
 
 __all__ = ["GPT2", "GPT2_PRESETS", "GPT2Config", "GPT2Model"]
 
@@ -94,26 +94,8 @@ class GPT2Model(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-class GPT2(CausalLM):
-    """The reference GPT-2 as a LightningModule.
+class GPT2(PresetCausalLM):
+    """The reference GPT-2 as a LightningModule; ``preset`` "tiny" (CPU tests), "124m" or "350m"."""
 
-    Args:
-        preset: A size from ``GPT2_PRESETS`` ("tiny" for CPU, "124m", "350m").
-        config: Overrides the preset's fields, e.g. ``{"n_layer": 6}``.
-    """
-
-    def __init__(
-        self,
-        preset: str = "tiny",
-        config: dict | None = None,
-        learning_rate: float = 3e-3,
-        weight_decay: float = 0.1,
-        warmup_steps: int = 20,
-    ) -> None:
-        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, warmup_steps=warmup_steps)
-        self.save_hyperparameters()
-        self.config = resolve_preset(GPT2_PRESETS, preset, config)
-        self.model = GPT2Model(self.config)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        return self.model(tokens)
+    presets = GPT2_PRESETS
+    network = GPT2Model

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightdist.models.lm import CausalLM, resolve_preset
+from lightdist.models.lm import PresetCausalLM
 
 __all__ = ["LLAMA_PRESETS", "Llama", "LlamaConfig", "LlamaModel"]
 
@@ -184,26 +184,8 @@ class LlamaModel(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-class Llama(CausalLM):
-    """The reference Llama as a LightningModule.
+class Llama(PresetCausalLM):
+    """The reference Llama as a LightningModule; ``preset`` from "tiny" (CPU tests) up to "70b" (meta device)."""
 
-    Args:
-        preset: A size from ``LLAMA_PRESETS`` ("tiny" for CPU up to "70b").
-        config: Overrides the preset's fields, e.g. ``{"n_layers": 8}``.
-    """
-
-    def __init__(
-        self,
-        preset: str = "tiny",
-        config: dict | None = None,
-        learning_rate: float = 3e-3,
-        weight_decay: float = 0.1,
-        warmup_steps: int = 20,
-    ) -> None:
-        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, warmup_steps=warmup_steps)
-        self.save_hyperparameters()
-        self.config = resolve_preset(LLAMA_PRESETS, preset, config)
-        self.model = LlamaModel(self.config)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        return self.model(tokens)
+    presets = LLAMA_PRESETS
+    network = LlamaModel

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["CausalLM", "resolve_preset"]
+__all__ = ["CausalLM", "PresetCausalLM", "resolve_preset"]
 
 ConfigT = TypeVar("ConfigT")
 
@@ -76,3 +76,31 @@ class CausalLM(LightningModule):
             return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
         return factor
+
+
+class PresetCausalLM(CausalLM):
+    """A reference model chosen by size: ``presets`` names its configs, ``network`` builds the model from one.
+
+    Args:
+        preset: A size from the class's ``presets`` ("tiny" for CPU tests).
+        config: Overrides the preset's fields, e.g. ``{"n_layers": 8}``.
+    """
+
+    presets: ClassVar[dict]
+    network: ClassVar[type[nn.Module]]
+
+    def __init__(
+        self,
+        preset: str = "tiny",
+        config: dict | None = None,
+        learning_rate: float = 3e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 20,
+    ) -> None:
+        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, warmup_steps=warmup_steps)
+        self.save_hyperparameters()
+        self.config = resolve_preset(self.presets, preset, config)
+        self.model = self.network(self.config)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.model(tokens)
