@@ -13,6 +13,7 @@ Every other module with parameters is replicated.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from fnmatch import fnmatchcase
 from typing import Literal
 
@@ -100,7 +101,7 @@ class ReplicateParallel(ParallelStyle):
             def replicated(x):
                 return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False) if _is_local(x) else x
 
-            return tuple(replicated(x) for x in args), {key: replicated(value) for key, value in kwargs.items()}
+            return _map_inputs(replicated, args, kwargs)
 
         def like_inputs(module: nn.Module, args: tuple, output):
             return output.to_local() if module._lightdist_local_inputs and isinstance(output, DTensor) else output
@@ -127,7 +128,11 @@ def _replicate_dtensor_inputs(module: nn.Module, args: tuple, kwargs: dict) -> t
     def whole(x):
         return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim) if isinstance(x, DTensor) else x
 
-    return tuple(whole(x) for x in args), {key: whole(value) for key, value in kwargs.items()}
+    return _map_inputs(whole, args, kwargs)
+
+
+def _map_inputs(convert: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return tuple(convert(x) for x in args), {key: convert(value) for key, value in kwargs.items()}
 
 
 def _is_local(x) -> bool:
@@ -159,7 +164,7 @@ def discover_plan(
     model: nn.Module, stack: DecoderStack, *, tp_plan: dict[str, TensorParallelStyle] | None = None
 ) -> dict[str, TensorParallelStyle]:
     """The style of every module that tensor parallelism changes, by full module name."""
-    own_plan = _hugging_face_plan(model)
+    own_plan = _hugging_face_plan(model) if tp_plan is None else None
     if tp_plan is not None:
         plan = _resolve_patterns(model, tp_plan)
     elif own_plan is not None:
@@ -206,9 +211,13 @@ def apply_tensor_parallel(
         user.weight = owner.weight
     for block in stack.blocks:
         for module in block.modules():
-            for attribute in HEAD_COUNT_ATTRIBUTES:
-                if isinstance(getattr(module, attribute, None), int):
-                    setattr(module, attribute, getattr(module, attribute) // tp)
+            for attribute, count in _head_counts(module):
+                setattr(module, attribute, count // tp)
+
+
+def _head_counts(module: nn.Module) -> list[tuple[str, int]]:
+    """The head-count attributes ``module`` sets, with their values."""
+    return [(name, value) for name in HEAD_COUNT_ATTRIBUTES if isinstance(value := getattr(module, name, None), int)]
 
 
 def _column_parallel_parents(stack: DecoderStack, plan: dict[str, TensorParallelStyle]) -> set[str]:
@@ -238,7 +247,7 @@ def _block_rules(stack: DecoderStack) -> dict[str, TensorParallelStyle]:
         f"No tensor-parallel plan found for the blocks of {stack.name}: their Linear layers are "
         f"{', '.join(linear_names) or 'none'}, and no known family ({', '.join(BLOCK_RULES)}) names them all. "
         f"Pass tp_plan, for example tp_plan={{'{stack.name}.*.attn.q': 'colwise', '{stack.name}.*.attn.out': "
-        "'rowwise', ...}, with styles colwise, rowwise, vocab, head or replicate."
+        f"'rowwise', ...}}, with styles {', '.join(TensorParallelStyle.__args__)}."
     )
 
 
@@ -296,9 +305,8 @@ def _resolve_patterns(model: nn.Module, tp_plan: dict[str, TensorParallelStyle])
 def check_divisible(model: nn.Module, stack: DecoderStack, plan: dict[str, TensorParallelStyle], tp: int) -> None:
     """Every split of ``plan`` must give each of ``tp`` ranks an equal, whole share: heads first, then features."""
     for block_name, module in stack.blocks[0].named_modules():
-        for attribute in HEAD_COUNT_ATTRIBUTES:
-            count = getattr(module, attribute, None)
-            if isinstance(count, int) and count % tp:
+        for attribute, count in _head_counts(module):
+            if count % tp:
                 where = f"{stack.name}.0.{block_name}" if block_name else f"{stack.name}.0"
                 raise ValueError(
                     f"tensor_parallel_size={tp} does not divide {attribute}={count} of {where}: each rank must hold "

@@ -198,8 +198,7 @@ class ParallelStrategy(ModelParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        options = StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True)
-        return get_model_state_dict(self.lightning_module, options=options)
+        return get_model_state_dict(self.lightning_module, options=self._saving_options)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -211,8 +210,7 @@ class ParallelStrategy(ModelParallelStrategy):
                 "checkpointing). Train with zero_stage=0, 2 or 3 to save checkpoints, or pass "
                 "enable_checkpointing=False."
             )
-        options = StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True)
-        return get_optimizer_state_dict(self.lightning_module, optimizer, options=options)
+        return get_optimizer_state_dict(self.lightning_module, optimizer, options=self._saving_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -251,6 +249,11 @@ class ParallelStrategy(ModelParallelStrategy):
                 description=f"lightdist: data parallel, ZeRO-{stage} (shards {shards})",
                 zero_stage=stage,
             )
+
+    @property
+    def _saving_options(self) -> StateDictOptions:
+        # Keyed by the LightningModule's own names, sharded per rank unless a full checkpoint was asked for.
+        return StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True)
 
     def _share_cpu_threads(self) -> None:
         """Give each local rank its share of the cores, unless the user chose OMP_NUM_THREADS.

@@ -4,6 +4,8 @@ tensor parallelism communicates what Megatron's layout needs, counted with torch
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -60,16 +62,24 @@ class _FlatBlock(nn.Module):
         self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
 
 
-def split_flat_model() -> None:
+@contextmanager
+def split_over_two_ranks(model: nn.Module, *, sequence_parallel: bool) -> Iterator[nn.Module]:
+    """``model`` tensor parallel over this rank and one other, inside a gloo group that ends with the block."""
     dist.init_process_group("gloo")
-    model = nn.Module()
-    model.layers = nn.ModuleList(_FlatBlock() for _ in range(2))
-    stack = find_decoder_stack(model)
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     try:
-        apply_tensor_parallel(model, stack, mesh, plan=discover_plan(model, stack), sequence_parallel=True)
+        stack = find_decoder_stack(model)
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        apply_tensor_parallel(model, stack, mesh, plan=discover_plan(model, stack), sequence_parallel=sequence_parallel)
+        yield model
     finally:
         dist.destroy_process_group()
+
+
+def split_flat_model() -> None:
+    model = nn.Module()
+    model.layers = nn.ModuleList(_FlatBlock() for _ in range(2))
+    with split_over_two_ranks(model, sequence_parallel=True):
+        pass
 
 
 def test_sequence_parallel_needs_attention_and_mlp_submodules() -> None:
@@ -79,24 +89,18 @@ def test_sequence_parallel_needs_attention_and_mlp_submodules() -> None:
 
 def count_collectives(n_layers: int, sequence_parallel: bool) -> tuple[Counter, Counter]:
     """Collectives of one forward and one backward of the tiny Llama split over 2 ranks (names without namespace)."""
-    dist.init_process_group("gloo")
-    try:
-        torch.manual_seed(0)
-        model = Llama("tiny", config={"n_layers": n_layers})
-        stack = find_decoder_stack(model)
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        apply_tensor_parallel(model, stack, mesh, plan=discover_plan(model, stack), sequence_parallel=sequence_parallel)
+    torch.manual_seed(0)
+    with split_over_two_ranks(
+        Llama("tiny", config={"n_layers": n_layers}), sequence_parallel=sequence_parallel
+    ) as model:
         batch = torch.randint(0, 64, (4, 33))
         with CommDebugMode() as forward:
             loss = model.loss(batch)
         with CommDebugMode() as backward:
             loss.backward()
-        return tuple(
-            Counter({str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()})
-            for mode in (forward, backward)
-        )
-    finally:
-        dist.destroy_process_group()
+    return tuple(
+        Counter({str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}) for mode in (forward, backward)
+    )
 
 
 def per_block(sequence_parallel: bool) -> tuple[Counter, Counter]:

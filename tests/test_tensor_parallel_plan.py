@@ -43,6 +43,14 @@ def test_hugging_face_models_bring_their_own_plan() -> None:
     assert plan["model.model.layers.1.input_layernorm"] == "replicate"
 
 
+def test_a_model_plan_with_unsupported_styles_asks_for_tp_plan_and_tp_plan_overrides_it() -> None:
+    model = Llama("tiny")
+    model.model._tp_plan = {"layers.*.mlp.gate_proj": "packed_colwise"}  # as a fused-MLP Hugging Face model carries
+    with pytest.raises(ValueError, match=r"LlamaModel carries a tensor-parallel plan with styles lightdist does not"):
+        plan_of(model)
+    assert plan_of(model, tp_plan={"model.lm_head": "head"})["model.lm_head"] == "head"
+
+
 def test_explicit_plan_patterns_replace_discovery() -> None:
     plan = plan_of(Llama("tiny"), tp_plan={"model.layers.*.mlp.up_proj": "colwise", "model.lm_head": "head"})
     assert plan["model.layers.3.mlp.up_proj"] == "colwise"
