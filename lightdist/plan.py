@@ -19,14 +19,14 @@ import yaml
 from torch import nn
 
 from lightdist.structure import find_decoder_stack
-from lightdist.tensor_parallel import TensorParallelStyle, check_divisible, discover_plan
+from lightdist.tensor_parallel import TensorParallelStyle, check_divisible, discover_plan, replicated_key_values
 
 __all__ = ["format_plan", "main"]
 
 
 def _split_shape(shape: tuple[int, ...], style: TensorParallelStyle, tp: int) -> tuple[int, ...]:
     """A weight's per-rank shape: output rows split for colwise/vocab/head, input columns for rowwise."""
-    if style in ("colwise", "vocab", "head"):
+    if style in ("colwise", "qkv", "gate_up", "vocab", "head"):
         return (shape[0] // tp, *shape[1:])
     if style == "rowwise":
         return (*shape[:-1], shape[-1] // tp)
@@ -39,6 +39,8 @@ def format_plan(model: nn.Module, tp: int, tp_plan: dict[str, TensorParallelStyl
     plan = discover_plan(model, stack, tp_plan=tp_plan)
     check_divisible(model, stack, plan, tp)
     modules = dict(model.named_modules())
+    # Fewer key/value heads than ranks: each rank holds the whole projection and uses its head.
+    plan.update(dict.fromkeys(replicated_key_values(modules, plan, tp), "replicate"))
     block = re.compile(rf"^{re.escape(stack.name)}\.\d+\.")
     lines = {}
     for name, style in plan.items():

@@ -1,32 +1,36 @@
 """Data parallelism with ZeRO stages 0-3, on torch's own parts.
 
-| stage | parameters  | gradients          | optimizer state | how                                           |
-|-------|-------------|--------------------|-----------------|-----------------------------------------------|
-| 0     | replicated  | all-reduced        | replicated      | composable ``replicate`` (DDP)                |
-| 1     | replicated  | all-reduced        | sharded         | ``replicate`` + ``ZeroRedundancyOptimizer``   |
-| 2     | gathered once per step | reduce-scattered | sharded | FSDP2, ``reshard_after_forward=False``        |
-| 3     | sharded     | reduce-scattered   | sharded         | FSDP2, ``reshard_after_forward=True``         |
+| stage | parameters             | gradients        | optimizer state      | how                                     |
+|-------|------------------------|------------------|----------------------|-----------------------------------------|
+| 0     | replicated             | all-reduced      | replicated           | FSDP2's ``replicate``                   |
+| 1     | replicated             | all-reduced      | sharded by parameter | ``replicate`` + ``ShardedOptimizer``    |
+| 2     | gathered once per step | reduce-scattered | sharded              | FSDP2, ``reshard_after_forward=False``  |
+| 3     | sharded                | reduce-scattered | sharded              | FSDP2, ``reshard_after_forward=True``   |
 
-FSDP2 is applied per decoder block and then at the root, so each block's parameters are gathered in one collective
-just before use and freed after it.
+Every stage wraps each decoder block and then the root, so a block's parameters are gathered just before use
+(stages 2-3) and its gradients reduced as soon as its backward ends. Stages 0-1 use FSDP2's ``replicate`` rather than
+the composable DDP one: it takes tensor-parallel DTensor parameters as ``fully_shard`` does, where DDP drops their
+gradients.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import Literal
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Literal
 
 import torch
-from torch import nn
-from torch.distributed._composable.replicate import replicate
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightdist.structure import DecoderStack
 
-__all__ = ["ZeroStage", "apply_data_parallel", "shard_optimizer_state"]
+__all__ = ["ShardedOptimizer", "ZeroStage", "apply_data_parallel"]
 
 ZeroStage = Literal[0, 1, 2, 3]
 
@@ -42,33 +46,101 @@ def apply_data_parallel(
 ) -> None:
     """Make ``root`` data parallel over ``dp_mesh``, sharding as much as ``zero_stage`` asks.
 
-    ``param_dtype`` is the compute dtype of FSDP2's mixed precision (stages 2-3); gradients are always reduced in
-    fp32. Stages 0-1 keep parameters as they are and leave mixed precision to autocast.
+    ``param_dtype`` is the compute dtype of FSDP2's mixed precision; gradients are always reduced in fp32.
     """
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     if zero_stage in (0, 1):
-        replicate(root, process_group=dp_mesh.get_group())
-        return
-    fsdp_options = dict(
-        mesh=dp_mesh,
-        reshard_after_forward=zero_stage == 3,
-        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
-        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
-    )
+        wrap = partial(replicate, mesh=dp_mesh, mp_policy=mp_policy)
+    else:
+        wrap = partial(
+            fully_shard,
+            mesh=dp_mesh,
+            reshard_after_forward=zero_stage == 3,
+            mp_policy=mp_policy,
+            offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+        )
     for block in stack.blocks:
-        fully_shard(block, **fsdp_options)
-    fully_shard(root, **fsdp_options)
+        wrap(block)
+    wrap(root)
 
 
-def shard_optimizer_state(optimizer: Optimizer, dp_mesh: DeviceMesh) -> ZeroRedundancyOptimizer:
-    """ZeRO-1: the same optimizer class and parameter groups, each rank keeping state for its share of parameters.
+class ShardedOptimizer(Optimizer):
+    """ZeRO-1: each data-parallel rank updates, and keeps optimizer state for, only the whole parameters it owns.
 
-    After its local step each rank broadcasts the parameters it owns, so every replica stays identical.
+    Parameters are dealt out largest first to the rank holding the fewest elements (``ZeroRedundancyOptimizer``'s
+    partition). ``step`` drops the other gradients before ``optimizer`` runs, so it creates and updates state for the
+    owned parameters only; then each owner broadcasts its parameters' local tensors over ``dp_mesh``, which works for
+    DTensor (tensor-parallel) parameters where ``ZeroRedundancyOptimizer``'s broadcast of the DTensor itself fails.
+    ``param_groups`` and ``state`` are ``optimizer``'s own objects: LR schedulers and gradient clipping see every
+    parameter, and ``get_optimizer_state_dict`` gives the usual state dict with this rank's share of the state, so a
+    sharded checkpoint gets each parameter's state from its owner and loads under any layout.
     """
-    optimizer_class = type(optimizer)
-    # `defaults` can hold derived entries the constructor does not take (AdamW's `decoupled_weight_decay`).
-    accepted = inspect.signature(optimizer_class).parameters
-    defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
-    groups = [dict(group) for group in optimizer.param_groups]
-    return ZeroRedundancyOptimizer(
-        groups, optimizer_class=optimizer_class, process_group=dp_mesh.get_group(), **defaults
-    )
+
+    def __init__(self, optimizer: Optimizer, dp_mesh: DeviceMesh) -> None:
+        # Optimizer.__init__ is not called: it would give this object parameter groups and state of its own.
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults  # Lightning's LearningRateMonitor reads them
+        self._group = dp_mesh.get_group()
+        self._owners = _deal_out([p for group in optimizer.param_groups for p in group["params"]], dp_mesh.size())
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> dict[Tensor, Any]:
+        return self.optimizer.state
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()  # backward and gradient clipping run here, on every gradient
+        rank = self._group.rank()
+        for param, owner in self._owners.items():
+            if owner != rank:
+                param.grad = None
+        self.optimizer.step()
+        with torch.no_grad():
+            handles = [
+                dist.broadcast(_local(param), group_src=owner, group=self._group, async_op=True)
+                for param, owner in self._owners.items()
+            ]
+            for handle in handles:
+                handle.wait()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+
+def _deal_out(params: list[Tensor], ranks: int) -> dict[Tensor, int]:
+    """Each parameter's owner among ``ranks``; the same on every rank, tensor-parallel peers included.
+
+    DTensor sizes are global, so the peers that hold the shards of one parameter give it the same owner. Every rank
+    must own a parameter: ``get_optimizer_state_dict`` starts an optimizer without state by stepping it (broadcasts
+    included), and a rank that never had state would take that step alone at every save, waiting forever.
+    """
+    if len(params) < ranks:
+        raise ValueError(
+            f"zero_stage=1 gives each data-parallel rank whole parameters to update, but {ranks} ranks share "
+            f"{len(params)} parameter tensors. Use zero_stage=2 or 3, which split every parameter across the ranks, "
+            "or fewer data-parallel ranks."
+        )
+    owners: dict[Tensor, int] = {}
+    sizes = [0] * ranks
+    for param in sorted(params, key=lambda p: p.numel(), reverse=True):
+        owner = sizes.index(min(sizes))
+        owners[param] = owner
+        sizes[owner] += param.numel()
+    return owners
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -2,39 +2,50 @@
 
 Inside each decoder block, the projections that fan out (q, k, v, gate, up) are split by output features
 (``Y = X A``, A split along its second dimension: each rank computes whole heads), and the projections that fan in
-(o, down) by input features, so a block costs one all-reduce in attention and one in the MLP. The token embedding is
-split by vocabulary rows and the LM head by vocabulary columns, its logits gathered for the user's loss.
+(o, down) by input features, so a block costs one all-reduce in attention and one in the MLP. A Linear computing
+several projections at once (GPT-2's fused ``c_attn``, a fused gate+up) is split so each rank holds its share of every
+part. The token embedding is split by vocabulary rows and the LM head by vocabulary columns, its logits gathered for
+the user's loss.
 
 A plan is a mapping from module name to style. It comes from, first that applies: the ``tp_plan`` option
 (``fnmatch`` patterns, so ``"model.layers.*.self_attn.q_proj"`` works); the model's own plan (Hugging Face models
-carry one as ``_tp_plan``); the name rules below, matched against the Linear layers of the first decoder block.
+carry one as ``_tp_plan``); the name rules below, matched against the Linear layers of the first decoder block; the
+data flow of that block (``lightdist.dataflow``).
 Every other module with parameters is replicated.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Literal
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from lightdist.dataflow import trace_block_plan
 from lightdist.structure import DecoderStack
 
 __all__ = [
     "BLOCK_RULES",
+    "FusedColwiseParallel",
     "ReplicateInputs",
     "ReplicateParallel",
     "TensorParallelStyle",
     "apply_tensor_parallel",
     "check_divisible",
     "discover_plan",
+    "reorder_optimizer_state",
+    "replicated_key_values",
 ]
 
-TensorParallelStyle = Literal["colwise", "rowwise", "vocab", "head", "replicate"]
+TensorParallelStyle = Literal["colwise", "qkv", "gate_up", "rowwise", "vocab", "head", "replicate"]
 
 # One entry per model family: the last name of every Linear in a decoder block, and how it splits.
 # A family applies when it names all of a block's Linear layers. Adding a family is adding an entry.
@@ -66,6 +77,7 @@ BLOCK_RULES: dict[str, dict[str, TensorParallelStyle]] = {
         "fc1": "colwise",
         "fc2": "rowwise",
     },
+    "gpt2": {"c_attn": "qkv", "c_proj": "rowwise", "c_fc": "colwise"},  # nanoGPT and GPT-2-style models
     "plain": {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise", "fc1": "colwise", "fc2": "rowwise"},
 }
 
@@ -79,8 +91,37 @@ HUGGING_FACE_STYLES: dict[str, TensorParallelStyle] = {
     "replicated_with_grad_allreduce": "replicate",
 }
 
+_QUERY_HEAD_ATTRIBUTES = ("num_heads", "n_heads", "n_head", "num_attention_heads", "heads")
 _KEY_VALUE_HEAD_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
-HEAD_COUNT_ATTRIBUTES = ("num_heads", "n_heads", "n_head", "num_attention_heads", *_KEY_VALUE_HEAD_ATTRIBUTES)
+_GROUP_ATTRIBUTES = ("num_key_value_groups", "n_rep")  # query heads per key/value head
+
+
+@dataclass(frozen=True)
+class AttentionHeads:
+    """An attention module's head counts and the attributes they were read from."""
+
+    heads: int
+    kv_heads: int
+    heads_attribute: str
+    kv_heads_attribute: str
+
+
+def attention_heads(module: nn.Module) -> AttentionHeads | None:
+    """Head counts from the module's own attributes or, for Hugging Face attention (which keeps only ``head_dim``),
+    its config's; ``None`` for modules that are not attention."""
+    sources = [module]
+    if hasattr(module, "head_dim") and hasattr(module, "config"):
+        sources.append(module.config)
+    for source in sources:
+        heads = _first_int_attribute(source, _QUERY_HEAD_ATTRIBUTES)
+        if heads is not None:
+            kv_heads = _first_int_attribute(source, _KEY_VALUE_HEAD_ATTRIBUTES) or heads
+            return AttentionHeads(heads[1], kv_heads[1], heads[0], kv_heads[0])
+    return None
+
+
+def _first_int_attribute(source: object, names: tuple[str, ...]) -> tuple[str, int] | None:
+    return next(((name, value) for name in names if isinstance(value := getattr(source, name, None), int)), None)
 
 
 class ReplicateParallel(ParallelStyle):
@@ -88,15 +129,21 @@ class ReplicateParallel(ParallelStyle):
 
     Norms and other unsplit modules then live on the same mesh as the split ones, so FSDP2 lays all parameters out
     on one (dp, tp) mesh, and the global gradient norm and checkpoints see a single layout. Outputs are local tensors
-    where the inputs were, and DTensors where they were DTensors (the sequence-parallel residual stream, on which a
-    norm runs on each rank's share of the sequence).
+    where an input was one, else DTensors (the sequence-parallel residual stream, on which a norm runs on each rank's
+    share of the sequence). Under sequence parallelism (``local_outputs=False``) they are always DTensors, so that a
+    learned position embedding adds to that stream.
     """
+
+    def __init__(self, *, local_outputs: bool = True) -> None:
+        super().__init__()
+        self.local_outputs = local_outputs
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         distribute_module(module, device_mesh)
 
         def to_dtensors(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            module._lightdist_local_inputs = any(_is_local(x) for x in (*args, *kwargs.values()))
+            inputs = (*args, *kwargs.values())
+            module._lightdist_local_outputs = self.local_outputs and any(_is_local(x) for x in inputs)
 
             def replicated(x):
                 return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False) if _is_local(x) else x
@@ -104,10 +151,128 @@ class ReplicateParallel(ParallelStyle):
             return _map_inputs(replicated, args, kwargs)
 
         def like_inputs(module: nn.Module, args: tuple, output):
-            return output.to_local() if module._lightdist_local_inputs and isinstance(output, DTensor) else output
+            return output.to_local() if module._lightdist_local_outputs and isinstance(output, DTensor) else output
 
         module.register_forward_pre_hook(to_dtensors, with_kwargs=True)
         module.register_forward_hook(like_inputs)
+        return module
+
+
+class FusedColwiseParallel(ColwiseParallel):
+    """Column parallelism for a Linear whose output is several projections side by side, ``[q | k | v]``.
+
+    A plain column split would give rank 0 all of q and half of k. Instead the rows are reordered so that each rank's
+    contiguous share is ``[q_r | k_r | v_r]``: its heads of every part, which the model's own ``chunk``/``split`` of
+    the output then separates. State dicts undo the reordering (and loading redoes it), so checkpoints hold the
+    model's own layout whatever the tensor-parallel size, and a tp=2 checkpoint resumes at tp=4 or on one process.
+    """
+
+    def __init__(self, parts: tuple[int, ...]) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        order = _rank_major_rows(self.parts, device_mesh.size())
+        module._lightdist_row_order = order
+        with torch.no_grad():
+            for param in module.parameters(recurse=False):
+                param.copy_(param.index_select(0, order.to(param.device)))
+        model_layout = torch.argsort(order)
+
+        def save_in_model_layout(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+            for name, _ in module.named_parameters(recurse=False):
+                state_dict[prefix + name] = reorder_rows(state_dict[prefix + name], model_layout)
+
+        def load_from_model_layout(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+            for name, _ in module.named_parameters(recurse=False):
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = reorder_rows(state_dict[prefix + name], order)
+
+        module.register_state_dict_post_hook(save_in_model_layout)
+        module.register_load_state_dict_pre_hook(load_from_model_layout)
+        return super()._apply(module, device_mesh)
+
+
+def _rank_major_rows(parts: tuple[int, ...], tp: int) -> Tensor:
+    """Row order putting each rank's share of every part next to each other: ``[p0_r0, p1_r0, ..., p0_r1, ...]``."""
+    starts = [sum(parts[:index]) for index in range(len(parts))]
+    return torch.cat(
+        [
+            torch.arange(start + rank * size // tp, start + (rank + 1) * size // tp)
+            for rank in range(tp)
+            for start, size in zip(starts, parts, strict=True)
+        ]
+    )
+
+
+def reorder_rows(tensor: Tensor, order: Tensor) -> Tensor:
+    """``tensor[order]``, for a DTensor keeping its layout: each rank gathers the rows and keeps its own share.
+
+    Used only around checkpoints; it briefly holds one whole tensor per rank.
+    """
+    if not isinstance(tensor, DTensor):
+        return tensor.index_select(0, order.to(tensor.device))
+    whole = tensor.full_tensor().index_select(0, order.to(tensor.device))
+    local_shape, offset = compute_local_shape_and_global_offset(whole.shape, tensor.device_mesh, tensor.placements)
+    local = whole[tuple(slice(start, start + size) for start, size in zip(offset, local_shape, strict=True))]
+    return DTensor.from_local(
+        local.clone(),
+        tensor.device_mesh,
+        tensor.placements,
+        shape=tensor.shape,
+        stride=tensor.stride(),
+        run_check=False,
+    )
+
+
+def reorder_optimizer_state(model: nn.Module, optimizer_state: dict, *, to_model_layout: bool) -> dict:
+    """Put the optimizer state of fused projections (Adam's moments) in the model's own layout, or back.
+
+    ``optimizer_state`` is keyed by parameter name, as ``get_optimizer_state_dict`` gives it.
+    """
+    for module_name, module in model.named_modules():
+        order = getattr(module, "_lightdist_row_order", None)
+        if order is None:
+            continue
+        if to_model_layout:
+            order = torch.argsort(order)
+        for name, param in module.named_parameters(recurse=False):
+            state = optimizer_state["state"].get(f"{module_name}.{name}", {})
+            for key, value in state.items():
+                if isinstance(value, Tensor) and value.shape == param.shape:
+                    state[key] = reorder_rows(value, order)
+    return optimizer_state
+
+
+class ReplicatedKeyValueParallel(ParallelStyle):
+    """Key and value projections when tensor parallelism exceeds the key/value heads (grouped-query attention).
+
+    tp=4 over 2 key/value heads: ranks 0-1 use head 0 and ranks 2-3 head 1, as Megatron replicates them. Every rank
+    holds the whole projection (a ``Replicate`` DTensor, so checkpoints keep one layout) and applies the rows of its
+    own head. Each rank's gradients, for the weight and for the input, are its query heads' share: ``Partial`` sums,
+    reduced with the rest of the step's gradients.
+    """
+
+    def __init__(self, kv_heads: int) -> None:
+        super().__init__()
+        self.kv_heads = kv_heads
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        distribute_module(module, device_mesh)
+        head = device_mesh.get_local_rank() // (device_mesh.size() // self.kv_heads)
+        head_dim = module.out_features // self.kv_heads
+        rows = slice(head * head_dim, (head + 1) * head_dim)
+
+        def own_head(x: Tensor) -> Tensor:
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+            weight, bias = (
+                None if p is None else p.to_local(grad_placements=[Partial()])[rows]
+                for p in (module.weight, module.bias)
+            )
+            return F.linear(x.to_local(grad_placements=[Partial()]), weight, bias)
+
+        module.forward = own_head
         return module
 
 
@@ -139,24 +304,21 @@ def _is_local(x) -> bool:
     return isinstance(x, Tensor) and not isinstance(x, DTensor)
 
 
-def _styles(*, sequence_parallel: bool) -> dict[TensorParallelStyle, ParallelStyle]:
-    if not sequence_parallel:
-        return {
-            "colwise": ColwiseParallel(),
-            "rowwise": RowwiseParallel(),
-            "vocab": RowwiseParallel(input_layouts=Replicate()),  # embedding rows split by token id
-            "head": ColwiseParallel(output_layouts=Replicate()),  # logits gathered: the user's loss sees all of them
-            "replicate": ReplicateParallel(),
-        }
-    # Between blocks the residual stream is a DTensor split along the sequence (dim 1): norms run on each rank's
-    # share, row-parallel outputs are reduce-scattered into it, and ReplicateInputs gathers it for attention and MLP.
-    sequence = Shard(1)
+def _styles(*, sequence_parallel: bool, loss_parallel: bool) -> dict[TensorParallelStyle, ParallelStyle]:
+    # Between blocks, under sequence parallelism, the residual stream is a DTensor split along the sequence (dim 1):
+    # norms run on each rank's share, row-parallel outputs are reduce-scattered into it, and ReplicateInputs gathers
+    # it for attention and MLP. The logits are gathered for the user's loss, or under loss parallelism stay split by
+    # vocabulary (a DTensor) for torch's vocabulary-parallel cross-entropy.
+    stream = Shard(1) if sequence_parallel else Replicate()
+    logits = Shard(-1) if loss_parallel else Replicate()
     return {
         "colwise": ColwiseParallel(),
-        "rowwise": RowwiseParallel(output_layouts=sequence, use_local_output=False),
-        "vocab": RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence, use_local_output=False),
-        "head": ColwiseParallel(input_layouts=sequence, output_layouts=Replicate()),
-        "replicate": ReplicateParallel(),
+        "rowwise": RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel),
+        "vocab": RowwiseParallel(  # embedding rows split by token id
+            input_layouts=Replicate(), output_layouts=stream, use_local_output=not sequence_parallel
+        ),
+        "head": ColwiseParallel(input_layouts=stream, output_layouts=logits, use_local_output=not loss_parallel),
+        "replicate": ReplicateParallel(local_outputs=not sequence_parallel),
     }
 
 
@@ -170,12 +332,10 @@ def discover_plan(
     elif own_plan is not None:
         plan = _resolve_patterns(model, own_plan)
     else:
-        rules = _block_rules(stack)
-        plan = {}
-        for index, block in enumerate(stack.blocks):
-            for name, module in block.named_modules():
-                if isinstance(module, nn.Linear):
-                    plan[f"{stack.name}.{index}.{name}"] = rules[name.rsplit(".", 1)[-1]]
+        block_plan = _block_plan(model, stack)
+        plan = {
+            f"{stack.name}.{index}.{name}": style for index in range(len(stack)) for name, style in block_plan.items()
+        }
         plan.update(_vocabulary_plan(model, stack))
     # Whatever holds parameters and is not split is replicated (norms, position embeddings).
     for name, module in model.named_modules():
@@ -191,18 +351,26 @@ def apply_tensor_parallel(
     *,
     plan: dict[str, TensorParallelStyle],
     sequence_parallel: bool = True,
+    loss_parallel: bool = False,
 ) -> None:
     """Split ``model`` across ``tp_mesh`` by ``plan``, after checking every split divides evenly.
 
     Parameters become DTensors on ``tp_mesh``; modules' head-count attributes become per-rank counts, so attention
     code that reshapes with ``view(B, T, self.num_heads, head_dim)`` keeps working unchanged. With
-    ``sequence_parallel``, activations between blocks are split along the sequence as well.
+    ``sequence_parallel``, activations between blocks are split along the sequence as well; with ``loss_parallel``
+    the logits stay split by vocabulary, for ``vocab_parallel_cross_entropy``.
     """
     tp = tp_mesh.size()
     check_divisible(model, stack, plan, tp)
     tied = _tied_weights(model)
-    styles = _styles(sequence_parallel=sequence_parallel)
-    parallel_plan: dict[str, ParallelStyle] = {name: styles[style] for name, style in plan.items()}
+    styles = _styles(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    modules = dict(model.named_modules())
+    parallel_plan: dict[str, ParallelStyle] = {
+        name: FusedColwiseParallel(_fused_parts(modules, name, style)) if style in _FUSED else styles[style]
+        for name, style in plan.items()
+    }
+    for name, kv_heads in replicated_key_values(modules, plan, tp).items():
+        parallel_plan[name] = ReplicatedKeyValueParallel(kv_heads)
     if sequence_parallel:
         parallel_plan.update(dict.fromkeys(_column_parallel_parents(stack, plan), ReplicateInputs()))
     parallelize_module(model, tp_mesh, parallel_plan)
@@ -211,20 +379,72 @@ def apply_tensor_parallel(
         user.weight = owner.weight
     for block in stack.blocks:
         for module in block.modules():
-            for attribute, count in _head_counts(module):
-                setattr(module, attribute, count // tp)
+            _set_heads_per_rank(module, tp)
 
 
-def _head_counts(module: nn.Module) -> list[tuple[str, int]]:
-    """The head-count attributes ``module`` sets, with their values."""
-    return [(name, value) for name in HEAD_COUNT_ATTRIBUTES if isinstance(value := getattr(module, name, None), int)]
+def _set_heads_per_rank(module: nn.Module, tp: int) -> None:
+    """Each rank computes 1/tp of the query heads and of the key/value heads, or one replicated key/value head."""
+    counts = attention_heads(module)
+    if counts is None:
+        return
+    heads, kv_heads = counts.heads // tp, max(counts.kv_heads // tp, 1)
+    for names, count in ((_QUERY_HEAD_ATTRIBUTES, heads), (_KEY_VALUE_HEAD_ATTRIBUTES, kv_heads)):
+        for name in names:
+            if isinstance(getattr(module, name, None), int):
+                setattr(module, name, count)
+    for name in _GROUP_ATTRIBUTES:
+        if isinstance(getattr(module, name, None), int):
+            setattr(module, name, heads // kv_heads)
+
+
+def replicated_key_values(
+    modules: dict[str, nn.Module], plan: dict[str, TensorParallelStyle], tp: int
+) -> dict[str, int]:
+    """The key and value projections of attention with fewer key/value heads than ``tp``, with their head counts.
+
+    They are the column-parallel projections narrower than the query's: ``kv_heads * head_dim`` outputs.
+    """
+    replicated = {}
+    for parent_name, children in _column_parallel_children(plan).items():
+        counts = attention_heads(modules[parent_name])
+        if counts is None or counts.kv_heads >= tp:
+            continue
+        head_dim = max(modules[name].out_features for name in children) // counts.heads
+        for name in children:
+            if plan[name] == "colwise" and modules[name].out_features == counts.kv_heads * head_dim:
+                replicated[name] = counts.kv_heads
+    return replicated
+
+
+def _column_parallel_children(plan: dict[str, TensorParallelStyle]) -> dict[str, list[str]]:
+    children: dict[str, list[str]] = {}
+    for name, style in plan.items():
+        if style in _COLUMN_PARALLEL:
+            children.setdefault(name.rsplit(".", 1)[0] if "." in name else "", []).append(name)
+    return children
+
+
+_FUSED = ("qkv", "gate_up")
+_COLUMN_PARALLEL = ("colwise", *_FUSED)
+
+
+def _fused_parts(modules: dict[str, nn.Module], name: str, style: TensorParallelStyle) -> tuple[int, ...]:
+    """The widths of the projections a fused Linear computes: q, k, v from its attention's head counts; gate, up."""
+    features = modules[name].out_features
+    if style == "gate_up":
+        return (features // 2, features // 2)
+    counts = attention_heads(modules[name.rsplit(".", 1)[0]] if "." in name else modules[""])
+    if counts is None:
+        return (features // 3,) * 3
+    head_dim = features // (counts.heads + 2 * counts.kv_heads)
+    return (counts.heads * head_dim, counts.kv_heads * head_dim, counts.kv_heads * head_dim)
 
 
 def _column_parallel_parents(stack: DecoderStack, plan: dict[str, TensorParallelStyle]) -> set[str]:
     """The attention and MLP modules: parents of a block's column-parallel projections, where sequences are gathered."""
     parents = set()
     for name, style in plan.items():
-        if style != "colwise" or not _inside(name, stack.name):
+        if style not in _COLUMN_PARALLEL or not _inside(name, stack.name):
             continue
         parent = name.rsplit(".", 1)[0]
         if parent.count(".") == stack.name.count(".") + 1:
@@ -236,19 +456,26 @@ def _column_parallel_parents(stack: DecoderStack, plan: dict[str, TensorParallel
     return parents
 
 
-def _block_rules(stack: DecoderStack) -> dict[str, TensorParallelStyle]:
-    linear_names = sorted(
-        {name.rsplit(".", 1)[-1] for name, module in stack.blocks[0].named_modules() if isinstance(module, nn.Linear)}
-    )
+def _block_plan(model: nn.Module, stack: DecoderStack) -> dict[str, TensorParallelStyle]:
+    """The styles of a block's Linear layers, by name inside the block: from a family's names, else the data flow."""
+    linears = [name for name, module in stack.blocks[0].named_modules() if isinstance(module, nn.Linear)]
+    last_names = sorted({name.rsplit(".", 1)[-1] for name in linears})
     for rules in BLOCK_RULES.values():
-        if linear_names and all(name in rules for name in linear_names):
-            return rules
-    raise ValueError(
-        f"No tensor-parallel plan found for the blocks of {stack.name}: their Linear layers are "
-        f"{', '.join(linear_names) or 'none'}, and no known family ({', '.join(BLOCK_RULES)}) names them all. "
-        f"Pass tp_plan, for example tp_plan={{'{stack.name}.*.attn.q': 'colwise', '{stack.name}.*.attn.out': "
-        f"'rowwise', ...}}, with styles {', '.join(TensorParallelStyle.__args__)}."
-    )
+        if linears and all(name in rules for name in last_names):
+            return {name: rules[name.rsplit(".", 1)[-1]] for name in linears}
+    try:
+        plan = trace_block_plan(model, stack)
+        why = "no Linear in a block feeds another" if "rowwise" not in plan.values() else ""
+    except Exception as error:  # the user's forward, run on 8 zero tokens, may want other inputs
+        plan, why = {}, f"tracing the forward on 8 tokens failed ({type(error).__name__}: {error})"
+    if why:
+        raise ValueError(
+            f"No tensor-parallel plan found for the blocks of {stack.name}: their Linear layers are "
+            f"{', '.join(last_names) or 'none'}, no known family ({', '.join(BLOCK_RULES)}) names them all, and "
+            f"{why}. Pass tp_plan, for example tp_plan={{'{stack.name}.*.attn.q': 'colwise', "
+            f"'{stack.name}.*.attn.out': 'rowwise', ...}}, with styles {', '.join(TensorParallelStyle.__args__)}."
+        )
+    return plan
 
 
 def _hugging_face_plan(model: nn.Module) -> dict[str, TensorParallelStyle] | None:
@@ -304,20 +531,31 @@ def _resolve_patterns(model: nn.Module, tp_plan: dict[str, TensorParallelStyle])
 
 def check_divisible(model: nn.Module, stack: DecoderStack, plan: dict[str, TensorParallelStyle], tp: int) -> None:
     """Every split of ``plan`` must give each of ``tp`` ranks an equal, whole share: heads first, then features."""
-    for block_name, module in stack.blocks[0].named_modules():
-        for attribute, count in _head_counts(module):
-            if count % tp:
-                where = f"{stack.name}.0.{block_name}" if block_name else f"{stack.name}.0"
-                raise ValueError(
-                    f"tensor_parallel_size={tp} does not divide {attribute}={count} of {where}: each rank must hold "
-                    "whole attention heads. Choose a tensor_parallel_size that divides the number of heads"
-                    + (
-                        " (replicating key/value heads is not supported yet)."
-                        if attribute in _KEY_VALUE_HEAD_ATTRIBUTES
-                        else "."
-                    )
-                )
     modules = dict(model.named_modules())
+    fused_attention = {name.rsplit(".", 1)[0] for name, style in plan.items() if style == "qkv"}
+    for block_name, module in stack.blocks[0].named_modules():
+        counts = attention_heads(module)
+        if counts is None:
+            continue
+        where = f"{stack.name}.0.{block_name}" if block_name else f"{stack.name}.0"
+        if counts.heads % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide {counts.heads_attribute}={counts.heads} of {where}: each "
+                "rank must hold whole attention heads. Choose a tensor_parallel_size that divides the number of heads."
+            )
+        kv = f"{counts.kv_heads_attribute}={counts.kv_heads} of {where}"
+        if counts.kv_heads % tp and tp % counts.kv_heads:
+            raise ValueError(
+                f"tensor_parallel_size={tp} neither divides nor is a multiple of {kv}: each rank must hold whole "
+                "key/value heads, or share one with tp/kv_heads other ranks. Choose a tensor_parallel_size that "
+                "divides the key/value heads or is a multiple of them."
+            )
+        if counts.kv_heads < tp and where in fused_attention:
+            raise ValueError(
+                f"tensor_parallel_size={tp} exceeds {kv}, whose q, k and v are fused in one projection: replicating "
+                f"key/value heads needs them in their own projections. Choose tensor_parallel_size<={counts.kv_heads}."
+            )
+    replicated = replicated_key_values(modules, plan, tp)
     split_sizes = {
         "colwise": ("out_features", "output features"),
         "head": ("out_features", "vocabulary size"),
@@ -325,7 +563,15 @@ def check_divisible(model: nn.Module, stack: DecoderStack, plan: dict[str, Tenso
         "vocab": ("num_embeddings", "vocabulary size"),
     }
     for name, style in plan.items():
-        if style not in split_sizes:
+        if style in _FUSED:
+            for part in _fused_parts(modules, name, style):
+                if part % tp:
+                    raise ValueError(
+                        f"tensor_parallel_size={tp} does not divide the {style} projections fused in {name} "
+                        f"(widths {', '.join(map(str, _fused_parts(modules, name, style)))}). Choose a "
+                        "tensor_parallel_size that divides each."
+                    )
+        if style not in split_sizes or name in replicated:
             continue
         attribute, what = split_sizes[style]
         size = getattr(modules[name], attribute)

@@ -38,16 +38,18 @@ GPT2_PRESETS: dict[str, GPT2Config] = {
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPT2Config) -> None:
         super().__init__()
-        self.n_head, self.n_embd = cfg.n_head, cfg.n_embd
+        self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v fused
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        # Widths come from the head count, never from x's width: under tensor parallelism this rank computes
+        # n_head / tp heads of a full-width input.
+        B, T, _ = x.shape
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -18,7 +18,8 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import nn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -26,15 +27,20 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightdist.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
 from lightdist.layout import ParallelLayout
-from lightdist.sharding import ZeroStage, apply_data_parallel, shard_optimizer_state
+from lightdist.loss_parallel import vocab_parallel_cross_entropy
+from lightdist.sharding import ShardedOptimizer, ZeroStage, apply_data_parallel
 from lightdist.structure import find_decoder_stack
-from lightdist.tensor_parallel import TensorParallelStyle, apply_tensor_parallel, discover_plan
+from lightdist.tensor_parallel import (
+    TensorParallelStyle,
+    apply_tensor_parallel,
+    discover_plan,
+    reorder_optimizer_state,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -79,6 +85,9 @@ class ParallelStrategy(ModelParallelStrategy):
             (keep matmul and attention outputs) or ``None``.
         sequence_parallel: Under tensor parallelism, split activations between blocks along the sequence, so norms
             run on each rank's share (Megatron's sequence parallelism).
+        loss_parallel: Under tensor parallelism, keep the logits split by vocabulary and compute
+            ``F.cross_entropy`` from each rank's share, never gathering them. The logits reach the LightningModule as
+            a DTensor; ``F.cross_entropy`` on them returns a plain tensor.
         cpu_offload: Keep sharded parameters, gradients and optimizer state in CPU memory (ZeRO-2/3).
         tp_plan: Module-name patterns mapped to a tensor-parallel style, overriding the discovered plan.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; default: the device's own.
@@ -96,6 +105,7 @@ class ParallelStrategy(ModelParallelStrategy):
         microbatches: int | None = None,
         activation_checkpointing: ActivationCheckpointing | None = None,
         sequence_parallel: bool = True,
+        loss_parallel: bool = False,
         cpu_offload: bool = False,
         tp_plan: dict[str, TensorParallelStyle] | None = None,
         process_group_backend: str | None = None,
@@ -121,6 +131,7 @@ class ParallelStrategy(ModelParallelStrategy):
         self._microbatches = microbatches
         self._activation_checkpointing = activation_checkpointing
         self._sequence_parallel = sequence_parallel
+        self._loss_parallel = loss_parallel
         self._cpu_offload = cpu_offload
         self._tp_plan = tp_plan
         self._layout: ParallelLayout | None = None
@@ -186,6 +197,29 @@ class ParallelStrategy(ModelParallelStrategy):
         if self._zero_stage == 1:
             self._shard_optimizer_states()
 
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self._loss_context():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        with self._loss_context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self._loss_context():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self._loss_context():
+            return super().test_step(*args, **kwargs)
+
+    def _loss_context(self) -> AbstractContextManager:
+        return vocab_parallel_cross_entropy() if self._loss_parallel and self.layout.tp > 1 else nullcontext()
+
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -204,13 +238,8 @@ class ParallelStrategy(ModelParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
-            raise NotImplementedError(
-                "Saving the optimizer state of zero_stage=1 is not supported yet (it comes with lightdist's sharded "
-                "checkpointing). Train with zero_stage=0, 2 or 3 to save checkpoints, or pass "
-                "enable_checkpointing=False."
-            )
-        return get_optimizer_state_dict(self.lightning_module, optimizer, options=self._saving_options)
+        state = get_optimizer_state_dict(self.lightning_module, optimizer, options=self._saving_options)
+        return reorder_optimizer_state(self.lightning_module, state, to_model_layout=True)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -222,9 +251,12 @@ class ParallelStrategy(ModelParallelStrategy):
         set_model_state_dict(module, model_state["state_dict"], options=StateDictOptions(strict=module.strict_loading))
         for index, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{index}"
-            optimizer_state = {key: get_optimizer_state_dict(module, optimizer)}
-            dcp.load(optimizer_state, checkpoint_id=path)
-            set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state[key])
+            state = reorder_optimizer_state(module, get_optimizer_state_dict(module, optimizer), to_model_layout=True)
+            dcp.load({key: state}, checkpoint_id=path)
+            state = reorder_optimizer_state(module, state, to_model_layout=False)
+            # Not strict: a ZeRO-1 rank holds state only for the parameters it owns, and dcp.load has already
+            # checked that the checkpoint has every state this rank asked for.
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=StateDictOptions(strict=False))
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
     @classmethod
@@ -290,7 +322,12 @@ class ParallelStrategy(ModelParallelStrategy):
         if self.layout.tp > 1:
             plan = discover_plan(module, stack, tp_plan=self._tp_plan)
             apply_tensor_parallel(
-                module, stack, self.device_mesh["tp"], plan=plan, sequence_parallel=self._sequence_parallel
+                module,
+                stack,
+                self.device_mesh["tp"],
+                plan=plan,
+                sequence_parallel=self._sequence_parallel,
+                loss_parallel=self._loss_parallel,
             )
         if self._activation_checkpointing is not None:
             apply_activation_checkpointing(stack, mode=self._activation_checkpointing)
@@ -312,12 +349,8 @@ class ParallelStrategy(ModelParallelStrategy):
         return None
 
     def _shard_optimizer_states(self) -> None:
-        dp_mesh = self.device_mesh["dp"]
-        sharded = {id(opt): shard_optimizer_state(opt, dp_mesh) for opt in self.optimizers}
-        for config in self.lr_scheduler_configs:
-            # Schedulers adjust the learning rate through the optimizer they were built with.
-            config.scheduler.optimizer = sharded[id(config.scheduler.optimizer)]
-        self.optimizers = [sharded[id(opt)] for opt in self.optimizers]
+        # LR schedulers keep the user's optimizers: a ShardedOptimizer shares their parameter groups.
+        self.optimizers = [ShardedOptimizer(optimizer, self.device_mesh["dp"]) for optimizer in self.optimizers]
 
 
 def _validate_options(
@@ -356,12 +389,6 @@ def _validate_options(
         raise ValueError(
             f"cpu_offload=True needs sharded parameters and gradients, but zero_stage={zero_stage}. "
             "Use zero_stage=2 or 3 with cpu_offload."
-        )
-    if tensor_parallel_size != 1 and zero_stage < 2:
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} with zero_stage={zero_stage}: tensor parallelism composes "
-            "with FSDP2 sharding over the data-parallel ranks, zero_stage 2 or 3, in this release. Use zero_stage=2 "
-            "for replicated-like parameters during the step, or 3."
         )
     if pipeline_parallel_size > 1:
         raise NotImplementedError(

@@ -11,12 +11,19 @@ import multiprocessing as mp
 import os
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
-__all__ = ["free_port", "run_ranks"]
+from lightdist.structure import find_decoder_stack
+from lightdist.tensor_parallel import apply_tensor_parallel, discover_plan
+
+__all__ = ["free_port", "run_ranks", "split_over_two_ranks"]
 
 
 def free_port() -> int:
@@ -78,3 +85,19 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0)
     if errors:
         raise RuntimeError("\n".join(errors))
     return [outputs[rank] for rank in range(world_size)]
+
+
+@contextmanager
+def split_over_two_ranks(
+    model: nn.Module, *, sequence_parallel: bool, tp_plan: dict | None = None
+) -> Iterator[nn.Module]:
+    """``model`` tensor parallel over this rank and one other, inside a gloo group that ends with the block."""
+    dist.init_process_group("gloo")
+    try:
+        stack = find_decoder_stack(model)
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        plan = discover_plan(model, stack, tp_plan=tp_plan)
+        apply_tensor_parallel(model, stack, mesh, plan=plan, sequence_parallel=sequence_parallel)
+        yield model
+    finally:
+        dist.destroy_process_group()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
@@ -29,10 +30,6 @@ def test_world_size_must_equal_the_product_of_the_degrees() -> None:
         (dict(activation_checkpointing="some"), r"activation_checkpointing='some' is not one of None, 'full'"),
         (dict(zero_stage=1, cpu_offload=True), r"cpu_offload=True needs .* zero_stage=1. Use zero_stage=2 or 3"),
         (dict(tensor_parallel_size=0), r"tensor_parallel_size=0 must be a positive integer or 'auto'"),
-        (
-            dict(tensor_parallel_size=2, zero_stage=1),
-            r"tensor_parallel_size=2 with zero_stage=1: tensor parallelism composes with FSDP2 .* zero_stage 2 or 3",
-        ),
     ],
 )
 def test_invalid_options_are_rejected_when_the_strategy_is_built(options: dict, message: str) -> None:
@@ -77,6 +74,28 @@ def fit_module_without_parameters() -> None:
 def test_module_without_parameters_is_rejected() -> None:
     with pytest.raises(RuntimeError, match=r"_NoLayers has no parameters to train"):
         run_ranks(1, fit_module_without_parameters)
+
+
+class _OneWeight(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4, bias=False)])
+
+    def training_step(self, batch, batch_idx):
+        raise AssertionError("never reached")
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+def fit_one_weight_on_two_zero1_ranks() -> None:
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=ParallelStrategy(zero_stage=1), max_steps=1, logger=False)
+    trainer.fit(_OneWeight(), train_dataloaders=[[0]])
+
+
+def test_zero1_needs_a_parameter_for_every_data_parallel_rank() -> None:
+    with pytest.raises(RuntimeError, match=r"but 2 ranks share 1 parameter tensors. Use zero_stage=2 or 3"):
+        run_ranks(2, fit_one_weight_on_two_zero1_ranks)
 
 
 def test_model_without_a_block_list_names_what_it_saw() -> None:

@@ -29,7 +29,10 @@ CASES = {
         "tp2_zero3": Case(strategy=dict(TP2, zero_stage=3)),
         "tp2_zero2_clip": Case(strategy=dict(TP2, zero_stage=2), gradient_clip_val=0.1),
         "tp2_without_sequence_parallel": Case(strategy=dict(TP2_NO_SP, zero_stage=3), gradient_clip_val=0.1),
+        "tp2_loss_parallel_clip": Case(strategy=dict(TP2, loss_parallel=True), gradient_clip_val=0.1),
         "tp2_tied_embeddings": Case(strategy=dict(TP2, zero_stage=3), model="llama_tied"),
+        "gpt2_tp2_fused_qkv_tied": Case(strategy=dict(TP2, zero_stage=3), model="gpt2_no_bias", gradient_clip_val=0.1),
+        "unknown_family_tp2_traced_plan": Case(strategy=dict(TP2), model="unknown_family", gradient_clip_val=0.1),
         "hf_llama_zero3": Case(strategy=dict(zero_stage=3), model="hf_llama"),
         "hf_llama_tp2": Case(strategy=dict(TP2, zero_stage=3), model="hf_llama", gradient_clip_val=0.1),
         "hf_opt_tp2_row_parallel_biases": Case(strategy=dict(TP2_NO_SP, zero_stage=3), model="hf_opt"),
@@ -42,10 +45,19 @@ CASES = {
         "tp2_dp2_zero3_clip": Case(strategy=dict(TP2, zero_stage=3), gradient_clip_val=0.1),
         "tp2_dp2_zero2_accumulate": Case(strategy=dict(TP2, zero_stage=2), accumulate_grad_batches=2),
         "tp2_dp2_without_sequence_parallel": Case(strategy=dict(TP2_NO_SP, zero_stage=3), model="hf_llama"),
+        "gpt2_tp2_dp2_without_sequence_parallel": Case(strategy=dict(TP2_NO_SP, zero_stage=2), model="gpt2_no_bias"),
         "hf_qwen2_tp2_dp2_zero2": Case(strategy=dict(TP2, zero_stage=2), model="hf_qwen2", gradient_clip_val=0.1),
+        "hf_llama_tp2_dp2_loss_parallel": Case(strategy=dict(TP2, loss_parallel=True), model="hf_llama"),
+        # 2 key/value heads over 4 ranks: each pair of ranks shares one (Hugging Face's num_key_value_groups too)
+        "tp4_replicated_kv_heads_clip": Case(strategy=dict(tensor_parallel_size=4), gradient_clip_val=0.1),
+        "hf_llama_tp4_replicated_kv_heads": Case(
+            strategy=dict(tensor_parallel_size=4, zero_stage=2, sequence_parallel=False), model="hf_llama"
+        ),
         "tp2_dp2_zero3_selective_checkpointing": Case(
             strategy=dict(TP2, zero_stage=3, activation_checkpointing="selective")
         ),
+        "tp2_dp2_zero0_accumulate": Case(strategy=dict(TP2, zero_stage=0), accumulate_grad_batches=2),
+        "tp2_dp2_zero1_clip": Case(strategy=dict(TP2, zero_stage=1), gradient_clip_val=0.1),
     },
 }
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import cache
+
 import pytest
 import torch
 from lightning.pytorch import Callback
@@ -29,11 +31,18 @@ def train_and_record_dtypes(case: Case) -> tuple[training.Result, set[torch.dtyp
     return training.train(case, devices=2, callbacks=[probe]), probe.dtypes
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
+@cache
+def fp32_reference(steps: int, batch_size: int) -> training.Result:
+    """The single-process fp32 run every stage's bf16 run is compared with, trained once."""
+    (reference,) = run_ranks(1, training.train, Case(steps=steps, batch_size=batch_size))
+    return reference
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_bf16_mixed_computes_in_bf16_and_keeps_fp32_weights(zero_stage: int) -> None:
     case = Case(strategy=dict(zero_stage=zero_stage), precision="bf16-mixed", steps=3)
     (result, dtypes), _ = run_ranks(2, train_and_record_dtypes, case)
-    (reference,) = run_ranks(1, training.train, Case(steps=3, batch_size=2 * case.batch_size))  # fp32
+    reference = fp32_reference(case.steps, 2 * case.batch_size)
 
     assert dtypes == {torch.bfloat16}
     assert {tensor.dtype for tensor in result.params.values()} == {torch.float32}

@@ -26,8 +26,8 @@ class _StopAfter(Callback):
         trainer.should_stop = trainer.global_step >= self.steps
 
 
-def two_epochs(batch_size: int = 4, **strategy) -> Case:
-    return Case(strategy=strategy, steps=2 * EPOCH, limit_train_batches=EPOCH, batch_size=batch_size)
+def two_epochs(batch_size: int = 4, model: str = "llama", **strategy) -> Case:
+    return Case(strategy=strategy, model=model, steps=2 * EPOCH, limit_train_batches=EPOCH, batch_size=batch_size)
 
 
 def stop_and_resume(saved: Case, resumed: Case, checkpoint: str) -> tuple[Result, Result]:
@@ -40,13 +40,30 @@ def stop_and_resume(saved: Case, resumed: Case, checkpoint: str) -> tuple[Result
     ("saved", "resumed"),
     [
         (two_epochs(zero_stage=0), two_epochs(zero_stage=0)),
+        (two_epochs(zero_stage=1), two_epochs(zero_stage=1)),  # each rank saves and loads its own share
         (two_epochs(zero_stage=2), two_epochs(zero_stage=2)),
         (two_epochs(zero_stage=3), two_epochs(zero_stage=3)),
         (two_epochs(zero_stage=3), two_epochs(zero_stage=0)),  # sharded on save, replicated on load
         # layers split across 2 ranks on save, whole on each of 2 data-parallel ranks on load: same global batch
         (two_epochs(tensor_parallel_size=2), two_epochs(batch_size=2, zero_stage=3)),
+        # GPT-2's fused qkv rows reordered per rank on save (weights and Adam moments), in the model's order on load
+        (
+            two_epochs(model="gpt2_no_bias", tensor_parallel_size=2),
+            two_epochs(model="gpt2_no_bias", batch_size=2, zero_stage=3),
+        ),
+        # optimizer state split by parameter on save, whole parameters split across 2 ranks on load
+        (two_epochs(batch_size=2, zero_stage=1), two_epochs(tensor_parallel_size=2, zero_stage=3)),
     ],
-    ids=["zero0", "zero2", "zero3", "zero3_to_zero0", "tp2_to_dp2"],
+    ids=[
+        "zero0",
+        "zero1",
+        "zero2",
+        "zero3",
+        "zero3_to_zero0",
+        "tp2_to_dp2",
+        "gpt2_fused_qkv_tp2_to_dp2",
+        "dp2_zero1_to_tp2",
+    ],
 )
 def test_resumed_run_continues_the_uninterrupted_one(tmp_path: Path, saved: Case, resumed: Case) -> None:
     (uninterrupted, resumed_run), _ = run_ranks(2, stop_and_resume, saved, resumed, str(tmp_path / "ckpt"))

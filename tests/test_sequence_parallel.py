@@ -4,54 +4,59 @@ tensor parallelism communicates what Megatron's layout needs, counted with torch
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Callback
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 from lightdist.models import Llama
-from lightdist.structure import find_decoder_stack
-from lightdist.tensor_parallel import apply_tensor_parallel, discover_plan
 
 import training
-from multirank import run_ranks
+from multirank import run_ranks, split_over_two_ranks
 from training import Case
 
 pytestmark = pytest.mark.multirank
 
 
-class _RecordNormInput(Callback):
+class _RecordLayouts(Callback):
+    """The placements and per-rank shape of what the first norm receives and what the LM head returns."""
+
     def __init__(self) -> None:
-        self.seen: list[tuple] = []
+        self.norm_inputs: list[tuple] = []
+        self.logits: list[tuple] = []
 
     def on_fit_start(self, trainer, pl_module) -> None:
         norm = pl_module.model.layers[0].input_layernorm
-        norm.register_forward_hook(lambda module, args, output: self.seen.append(_layout(args[0])))
+        norm.register_forward_hook(lambda module, args, output: self.norm_inputs.append(_layout(args[0])))
+        pl_module.model.lm_head.register_forward_hook(lambda module, args, output: self.logits.append(_layout(output)))
 
 
-def _layout(x: DTensor) -> tuple:
-    return tuple(x.placements), tuple(x.to_local().shape)
+def _layout(x: torch.Tensor) -> tuple:
+    return (tuple(x.placements), tuple(x.to_local().shape)) if isinstance(x, DTensor) else ("local", tuple(x.shape))
 
 
-def norm_input_layouts(sequence_parallel: bool) -> list[tuple]:
-    probe = _RecordNormInput()
-    case = Case(strategy=dict(tensor_parallel_size=2, sequence_parallel=sequence_parallel), steps=1, seq_len=32)
+def layouts(strategy: dict) -> dict[str, set[tuple]]:
+    probe = _RecordLayouts()
+    case = Case(strategy=dict(tensor_parallel_size=2, **strategy), steps=1, seq_len=32)
     training.train(case, devices=2, callbacks=[probe])
-    return probe.seen
+    return {"norm_inputs": set(probe.norm_inputs), "logits": set(probe.logits)}
 
 
 def test_norms_see_half_the_sequence_with_sequence_parallel() -> None:
-    with_sp, _ = run_ranks(2, norm_input_layouts, True)
-    without_sp, _ = run_ranks(2, norm_input_layouts, False)
-    assert set(with_sp) == {((Shard(dim=1),), (4, 16, 64))}  # batch 4, 32 tokens split over 2 ranks, width 64
-    assert set(without_sp) == {((Replicate(),), (4, 32, 64))}  # every rank, the whole sequence
+    with_sp, _ = run_ranks(2, layouts, dict(sequence_parallel=True))
+    without_sp, _ = run_ranks(2, layouts, dict(sequence_parallel=False))
+    assert with_sp["norm_inputs"] == {((Shard(dim=1),), (4, 16, 64))}  # batch 4, 32 tokens over 2 ranks, width 64
+    assert without_sp["norm_inputs"] == {((Replicate(),), (4, 32, 64))}  # every rank, the whole sequence
+
+
+def test_loss_parallel_never_gathers_the_logits() -> None:
+    gathered, _ = run_ranks(2, layouts, {})
+    split, _ = run_ranks(2, layouts, dict(loss_parallel=True))
+    assert gathered["logits"] == {("local", (4, 32, 64))}  # the whole vocabulary of 64 on every rank
+    assert split["logits"] == {((Shard(dim=2),), (4, 32, 32))}  # half of it: the loss is computed from that
 
 
 class _FlatBlock(nn.Module):
@@ -60,19 +65,6 @@ class _FlatBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
-
-
-@contextmanager
-def split_over_two_ranks(model: nn.Module, *, sequence_parallel: bool) -> Iterator[nn.Module]:
-    """``model`` tensor parallel over this rank and one other, inside a gloo group that ends with the block."""
-    dist.init_process_group("gloo")
-    try:
-        stack = find_decoder_stack(model)
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        apply_tensor_parallel(model, stack, mesh, plan=discover_plan(model, stack), sequence_parallel=sequence_parallel)
-        yield model
-    finally:
-        dist.destroy_process_group()
 
 
 def split_flat_model() -> None:

@@ -9,7 +9,7 @@ from lightdist.models import GPT2, Llama
 from lightdist.structure import find_decoder_stack
 from lightdist.tensor_parallel import check_divisible, discover_plan
 
-from training import MODELS
+from training import MODELS, UnknownFamilyLM
 
 
 def plan_of(model: nn.Module, **options) -> dict[str, str]:
@@ -58,9 +58,44 @@ def test_explicit_plan_patterns_replace_discovery() -> None:
     assert plan["model.embed_tokens"] == "replicate"
 
 
-def test_fused_qkv_has_no_plan_yet_and_the_error_lists_the_layers() -> None:
-    with pytest.raises(ValueError, match=r"Linear layers are c_attn, c_fc, c_proj, and no known family .* tp_plan"):
-        plan_of(GPT2("tiny"))
+def test_gpt2_splits_its_fused_qkv_by_part_and_ties_head_to_embedding() -> None:
+    plan = plan_of(GPT2("tiny"))
+    assert {name: style for name, style in plan.items() if name.startswith("model.h.0.")} == {
+        "model.h.0.attn.c_attn": "qkv",
+        "model.h.0.attn.c_proj": "rowwise",
+        "model.h.0.mlp.c_fc": "colwise",
+        "model.h.0.mlp.c_proj": "rowwise",
+        "model.h.0.ln_1": "replicate",
+        "model.h.0.ln_2": "replicate",
+    }
+    assert (plan["model.wte"], plan["model.lm_head"], plan["model.wpe"]) == ("vocab", "head", "replicate")
+
+
+class _UnknownFamilyBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mixer_in, self.mixer_out = nn.Linear(8, 16), nn.Linear(16, 8)
+
+
+def test_no_plan_found_lists_the_layers_and_asks_for_tp_plan() -> None:
+    model = nn.Module()  # no forward to trace either
+    model.layers = nn.ModuleList(_UnknownFamilyBlock() for _ in range(2))
+    with pytest.raises(ValueError, match=r"Linear layers are mixer_in, mixer_out, no known family .* Pass tp_plan"):
+        plan_of(model)
+
+
+def test_unknown_names_are_paired_by_following_the_data_flow() -> None:
+    model = UnknownFamilyLM(learning_rate=1e-3, warmup_steps=2)
+    plan = plan_of(model)
+    assert {name: style for name, style in plan.items() if name.startswith("blocks.0.")} == {
+        "blocks.0.mixer.to_qkv": "qkv",  # cut into 3 by chunk: q, k and v
+        "blocks.0.mixer.to_out": "rowwise",
+        "blocks.0.ffn.expand": "gate_up",  # cut into 2: gate and up
+        "blocks.0.ffn.contract": "rowwise",
+        "blocks.0.mixer_norm": "replicate",
+        "blocks.0.ffn_norm": "replicate",
+    }
+    assert (plan["embed"], plan["unembed"]) == ("vocab", "head")
 
 
 def test_tp_plan_pattern_that_matches_nothing() -> None:
@@ -69,7 +104,9 @@ def test_tp_plan_pattern_that_matches_nothing() -> None:
 
 
 def test_tp_plan_unknown_style() -> None:
-    with pytest.raises(ValueError, match=r"tp_plan\['model.lm_head'\]='diagonal' is not one of colwise, rowwise"):
+    with pytest.raises(
+        ValueError, match=r"tp_plan\['model.lm_head'\]='diagonal' is not one of colwise, qkv, gate_up, rowwise"
+    ):
         plan_of(Llama("tiny"), tp_plan={"model.lm_head": "diagonal"})
 
 
@@ -77,7 +114,11 @@ def test_tp_plan_unknown_style() -> None:
     ("config", "tp", "message"),
     [
         ({}, 3, r"tensor_parallel_size=3 does not divide num_heads=4 of model.layers.0.self_attn"),
-        ({}, 4, r"does not divide num_key_value_heads=2 of model.layers.0.self_attn: .* \(replicating key/value heads"),
+        (
+            {"dim": 96, "n_heads": 6, "n_kv_heads": 3},
+            2,
+            r"tensor_parallel_size=2 neither divides nor is a multiple of num_key_value_heads=3 of model.layers.0",
+        ),
         ({"n_heads": 8, "n_kv_heads": 8, "ffn_dim": 170}, 4, r"output features of model.layers.0.mlp.gate_proj \("),
         ({"vocab_size": 67}, 2, r"vocabulary size of model.lm_head \(out_features=67\).* pad the vocabulary"),
     ],
@@ -88,3 +129,18 @@ def test_splits_that_do_not_divide(config: dict, tp: int, message: str) -> None:
     stack = find_decoder_stack(model)
     with pytest.raises(ValueError, match=message):
         check_divisible(model, stack, discover_plan(model, stack), tp)
+
+
+def test_hugging_face_attention_heads_come_from_its_config() -> None:
+    model = MODELS["hf_llama"]()  # its attention keeps only head_dim; 4 heads and 2 key/value heads are in the config
+    stack = find_decoder_stack(model)
+    with pytest.raises(ValueError, match=r"does not divide num_attention_heads=4 of model.model.layers.0.self_attn"):
+        check_divisible(model, stack, discover_plan(model, stack), 3)
+
+
+def test_fused_qkv_cannot_replicate_key_value_heads() -> None:
+    model = GPT2("tiny")  # 4 heads
+    model.model.h[0].attn.n_kv_head = 2
+    stack = find_decoder_stack(model)
+    with pytest.raises(ValueError, match=r"exceeds n_kv_head=2 of model.h.0.attn, whose q, k and v are fused"):
+        check_divisible(model, stack, discover_plan(model, stack), 4)

@@ -42,9 +42,8 @@ class _MeasureState(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         optimizer = trainer.strategy.optimizers[0]
-        local_optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard here
         self.bytes["optimizer"] = _local_bytes(
-            value for state in local_optimizer.state.values() for value in state.values() if value.dim() > 0
+            value for state in optimizer.state.values() for value in state.values() if value.dim() > 0
         )
 
 

@@ -16,17 +16,81 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from lightning.pytorch import Callback, Trainer, seed_everything
+from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from lightdist.models import GPT2, HuggingFaceCausalLM, Llama, TokenDataModule
+from lightdist.models.lm import CausalLM
 from lightdist.plugins import ParallelStrategy
+
+
+class _Mixer(nn.Module):
+    """Attention under names no rule knows, q, k and v fused and cut apart with ``chunk``."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, width // heads
+        self.to_qkv = nn.Linear(width, 3 * width, bias=False)
+        self.to_out = nn.Linear(width, width, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, self.heads, self.head_dim).transpose(1, 2) for t in self.to_qkv(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.to_out(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class _GatedFeedForward(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.expand = nn.Linear(width, 2 * hidden, bias=False)  # gate and up, fused
+        self.contract = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.expand(x).chunk(2, dim=-1)
+        return self.contract(F.silu(gate) * up)
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.mixer_norm, self.mixer = nn.LayerNorm(width), _Mixer(width, heads=4)
+        self.ffn_norm, self.ffn = nn.LayerNorm(width), _GatedFeedForward(width, hidden=96)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.mixer(self.mixer_norm(x))
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class UnknownFamilyLM(CausalLM):
+    """A user's own LLM that no naming rule covers: tensor parallelism finds its plan from the data flow."""
+
+    def __init__(self, learning_rate: float, warmup_steps: int, weight_decay: float = 0.1) -> None:
+        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, warmup_steps=warmup_steps)
+        self.embed = nn.Embedding(64, 64)
+        self.blocks = nn.ModuleList(_Block(64) for _ in range(2))
+        self.final_norm = nn.LayerNorm(64)
+        self.unembed = nn.Linear(64, 64, bias=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.unembed(self.final_norm(x))
+
 
 HF_TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4)
 MODELS = {
     "llama": partial(Llama, "tiny"),
     "llama_tied": partial(Llama, "tiny", config={"tie_embeddings": True}),
     "gpt2": partial(GPT2, "tiny"),
+    # The key bias's true gradient is zero (softmax ignores a constant added to all of a query's scores), so Adam turns
+    # its float noise into learning-rate-sized steps that differ between layouts; tensor-parallel runs compare
+    # weights without biases, and tests/test_tensor_parallel_plan.py checks the fused biases' layout on their own.
+    "gpt2_no_bias": partial(GPT2, "tiny", config={"bias": False}),
+    "unknown_family": UnknownFamilyLM,
     "hf_llama": partial(HuggingFaceCausalLM, config=dict(HF_TINY, model_type="llama", num_key_value_heads=2)),
     "hf_qwen2": partial(HuggingFaceCausalLM, config=dict(HF_TINY, model_type="qwen2", num_key_value_heads=2)),
     # Biases on the row-parallel layers, learned positions, tied embeddings; no dropout, so runs are deterministic.

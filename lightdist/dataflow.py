@@ -1,0 +1,124 @@
+"""Which Linear feeds which inside a decoder block, found by running the model once on a few tokens.
+
+Megatron's pairs are visible in the data flow: a Linear whose output reaches another Linear of the same block through
+elementwise ops, reshapes or attention is column-parallel, and the one it reaches is row-parallel (q, k, v -> o;
+gate, up -> down). A row-parallel output starts the next pair's input (the residual stream), so it never counts as a
+source. A column-parallel output cut into equal parts along its features by ``chunk``/``split`` is a fused
+projection: three parts are q, k, v, two are gate and up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from lightdist.structure import DecoderStack
+
+__all__ = ["trace_block_plan"]
+
+_SPLITS = {torch.split, torch.chunk, Tensor.split, Tensor.chunk, torch.tensor_split, Tensor.tensor_split}
+_FUSED_BY_PARTS = {3: "qkv", 2: "gate_up"}
+
+
+class _Provenance(TorchFunctionMode):
+    """Tags every tensor with the block's Linear layers it was computed from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sources: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> frozenset of Linear names
+        self.outputs: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a Linear's own output -> its name
+        self.parts: dict[str, int] = {}  # Linear name -> parts its output is cut into
+        self.sliced: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func is F.linear:  # the Linear's forward hook tags its output; F.linear inside it must not
+            return result
+        inputs = [x for x in tree_leaves((args, kwargs)) if isinstance(x, Tensor)]
+        tags = frozenset().union(*(self.sources.get(x, frozenset()) for x in inputs))
+        if tags:
+            for x in tree_leaves(result):
+                if isinstance(x, Tensor):
+                    self.sources[x] = tags | self.sources.get(x, frozenset())
+        if inputs and inputs[0] in self.outputs:
+            self._note_feature_cut(self.outputs[inputs[0]], func, args, kwargs, inputs[0], result)
+        return result
+
+    def _note_feature_cut(self, name: str, func, args: tuple, kwargs: dict, output: Tensor, result: Any) -> None:
+        if func in _SPLITS:
+            dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+            if dim % output.ndim == output.ndim - 1:
+                self.parts[name] = len(result)
+        elif func is Tensor.__getitem__:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            last = index[-1] if index[0] is Ellipsis or len(index) == output.ndim else slice(None)
+            if last != slice(None):
+                self.sliced.add(name)
+
+
+def trace_block_plan(model: nn.Module, stack: DecoderStack) -> dict[str, str]:
+    """The style of each Linear of a block, by its name inside the block, from one forward pass on 8 tokens.
+
+    Runs on the meta device when the model is there (no memory, no compute), else on the model's own device.
+    """
+    block = stack.blocks[0]
+    linears = {name: module for name, module in block.named_modules() if isinstance(module, nn.Linear)}
+    provenance = _Provenance()
+    consumed: dict[str, frozenset[str]] = {}
+
+    def record_input(name: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            consumed[name] = frozenset().union(
+                *(provenance.sources.get(x, frozenset()) for x in args if isinstance(x, Tensor))
+            )
+
+        return hook
+
+    def tag_output(name: str):
+        def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
+            provenance.sources[output] = frozenset({name})
+            provenance.outputs[output] = name
+
+        return hook
+
+    handles = []
+    for name, module in linears.items():
+        handles.append(module.register_forward_pre_hook(record_input(name)))
+        handles.append(module.register_forward_hook(tag_output(name)))
+    device = next(model.parameters()).device
+    try:
+        with torch.no_grad(), provenance:
+            model(torch.zeros(1, 8, dtype=torch.long, device=device))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return _pairs(linears, consumed, provenance)
+
+
+def _pairs(linears: dict[str, nn.Module], consumed: dict[str, frozenset[str]], provenance: _Provenance) -> dict:
+    row, column = set(), set()
+    for name, sources in consumed.items():  # in the order the Linear layers ran
+        if sources - row:
+            row.add(name)
+            column |= sources - row
+    plan = {}
+    for name in linears:
+        if name in row:
+            plan[name] = "rowwise"
+        elif name in column:
+            parts = provenance.parts.get(name)
+            if name in provenance.sliced or (parts is not None and parts not in _FUSED_BY_PARTS):
+                raise ValueError(
+                    f"The output of {name} is cut along its features before it reaches the next Linear, in a way "
+                    "lightdist cannot map to parts (q, k, v or gate, up). Pass tp_plan, with 'qkv' or 'gate_up' "
+                    "for fused layers."
+                )
+            plan[name] = _FUSED_BY_PARTS[parts] if parts else "colwise"
+    return plan
