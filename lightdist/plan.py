@@ -3,7 +3,7 @@
 The model is built on the meta device, so a 70B model plans in a second on a laptop.
 
     lightdist plan --model lightdist.models.Llama --init-args '{"preset": "70b"}' --tp 8
-    lightdist plan --config configs/tp2_zero3_cpu.yaml
+    lightdist plan --config configs/3d_cpu.yaml
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import torch
 import yaml
 from torch import nn
 
+from lightdist.pipeline import stage_sizes
 from lightdist.structure import find_decoder_stack
 from lightdist.tensor_parallel import TensorParallelStyle, check_divisible, discover_plan, replicated_key_values
 
-__all__ = ["format_plan", "main"]
+__all__ = ["format_plan", "format_stages", "main"]
 
 
 def _split_shape(shape: tuple[int, ...], style: TensorParallelStyle, tp: int) -> tuple[int, ...]:
@@ -31,6 +32,25 @@ def _split_shape(shape: tuple[int, ...], style: TensorParallelStyle, tp: int) ->
     if style == "rowwise":
         return (*shape[:-1], shape[-1] // tp)
     return shape
+
+
+def format_stages(model: nn.Module, pp: int, split: list[int] | None = None) -> str:
+    """Which blocks each pipeline stage holds, and its parameters: the pipeline runs at its largest stage's pace."""
+    stack = find_decoder_stack(model)
+    sizes = split or stage_sizes(model, stack, pp)
+    outside = [m for name, m in model.named_modules() if name and not stack.contains(name)]
+    embeddings = sum(p.numel() for m in outside if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False))
+    rest = sum(p.numel() for m in outside if not isinstance(m, nn.Embedding) for p in m.parameters(recurse=False))
+    lines = [f"{type(model).__name__}: {len(stack)} blocks in {stack.name}, pipeline_parallel_size={pp}"]
+    blocks, start = list(stack.blocks), 0
+    for index, size in enumerate(sizes):
+        params = sum(p.numel() for block in blocks[start : start + size] for p in block.parameters())
+        first, last = index == 0, index == len(sizes) - 1
+        params += (embeddings if first else 0) + (rest if last else 0)
+        ends = (" + embeddings" if first else "") + (" + norm and head" if last else "")
+        lines.append(f"  stage {index}: {stack.name}.{start}-{start + size - 1}{ends}: {params:,} parameters")
+        start += size
+    return "\n".join(lines)
 
 
 def format_plan(model: nn.Module, tp: int, tp_plan: dict[str, TensorParallelStyle] | None = None) -> str:
@@ -68,9 +88,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--model", help="class path of a LightningModule or nn.Module, e.g. lightdist.models.Llama")
     parser.add_argument("--init-args", default="{}", help="JSON keyword arguments for the model class")
     parser.add_argument("--tp", type=int, help="tensor_parallel_size (default: the config's, else 2)")
+    parser.add_argument("--pp", type=int, help="pipeline_parallel_size (default: the config's, else 1)")
     args = parser.parse_args(argv)
 
     class_path, init_args, tp, tp_plan = args.model, json.loads(args.init_args), args.tp, None
+    pp, split = args.pp, None
     if args.config is not None:
         config = yaml.safe_load(args.config.read_text())
         class_path = class_path or config["model"]["class_path"]
@@ -78,9 +100,13 @@ def main(argv: list[str]) -> None:
         strategy = (config.get("trainer", {}).get("strategy") or {}).get("init_args", {})
         tp = tp or strategy.get("tensor_parallel_size")
         tp_plan = strategy.get("tp_plan")
+        pp, split = pp or strategy.get("pipeline_parallel_size"), strategy.get("pipeline_split")
     if class_path is None:
         parser.error("name the model with --model or --config.")
     try:
-        print(format_plan(_build_on_meta(class_path, init_args), tp or 2, tp_plan))
+        model = _build_on_meta(class_path, init_args)
+        print(format_plan(model, tp or 2, tp_plan))
+        if (pp or 1) > 1:
+            print(format_stages(model, pp, split))
     except ValueError as error:
         parser.exit(2, f"lightdist plan: {error}\n")

@@ -24,6 +24,10 @@ class DecoderStack:
     def __len__(self) -> int:
         return len(self.blocks)
 
+    def contains(self, module_name: str) -> bool:
+        """Whether ``module_name`` (a name in the model) is the stack or inside it."""
+        return module_name == self.name or module_name.startswith(self.name + ".")
+
 
 def _num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())

@@ -334,7 +334,9 @@ def discover_plan(
     else:
         block_plan = _block_plan(model, stack)
         plan = {
-            f"{stack.name}.{index}.{name}": style for index in range(len(stack)) for name, style in block_plan.items()
+            f"{stack.name}.{index}.{name}": style
+            for index, _ in stack.blocks.named_children()
+            for name, style in block_plan.items()
         }
         plan.update(_vocabulary_plan(model, stack))
     # Whatever holds parameters and is not split is replicated (norms, position embeddings).
@@ -444,7 +446,7 @@ def _column_parallel_parents(stack: DecoderStack, plan: dict[str, TensorParallel
     """The attention and MLP modules: parents of a block's column-parallel projections, where sequences are gathered."""
     parents = set()
     for name, style in plan.items():
-        if style not in _COLUMN_PARALLEL or not _inside(name, stack.name):
+        if style not in _COLUMN_PARALLEL or not stack.contains(name):
             continue
         parent = name.rsplit(".", 1)[0]
         if parent.count(".") == stack.name.count(".") + 1:
@@ -497,7 +499,7 @@ def _hugging_face_plan(model: nn.Module) -> dict[str, TensorParallelStyle] | Non
 
 def _vocabulary_plan(model: nn.Module, stack: DecoderStack) -> dict[str, TensorParallelStyle]:
     """The token embedding and the LM head: outside the stack, as many rows/outputs as the vocabulary."""
-    outside = [(name, module) for name, module in model.named_modules() if not _inside(name, stack.name)]
+    outside = [(name, module) for name, module in model.named_modules() if not stack.contains(name)]
     heads = [(name, m) for name, m in outside if isinstance(m, nn.Linear)]
     if not heads:
         return {}
@@ -507,10 +509,6 @@ def _vocabulary_plan(model: nn.Module, stack: DecoderStack) -> dict[str, TensorP
         if isinstance(module, nn.Embedding) and module.num_embeddings == head.out_features:
             plan[name] = "vocab"
     return plan
-
-
-def _inside(name: str, prefix: str) -> bool:
-    return name == prefix or name.startswith(prefix + ".")
 
 
 def _resolve_patterns(model: nn.Module, tp_plan: dict[str, TensorParallelStyle]) -> dict[str, TensorParallelStyle]:
@@ -533,11 +531,12 @@ def check_divisible(model: nn.Module, stack: DecoderStack, plan: dict[str, Tenso
     """Every split of ``plan`` must give each of ``tp`` ranks an equal, whole share: heads first, then features."""
     modules = dict(model.named_modules())
     fused_attention = {name.rsplit(".", 1)[0] for name, style in plan.items() if style == "qkv"}
-    for block_name, module in stack.blocks[0].named_modules():
+    first, block = next(iter(stack.blocks.named_children()))  # under a pipeline, this stage's first block
+    for block_name, module in block.named_modules():
         counts = attention_heads(module)
         if counts is None:
             continue
-        where = f"{stack.name}.0.{block_name}" if block_name else f"{stack.name}.0"
+        where = f"{stack.name}.{first}.{block_name}" if block_name else f"{stack.name}.{first}"
         if counts.heads % tp:
             raise ValueError(
                 f"tensor_parallel_size={tp} does not divide {counts.heads_attribute}={counts.heads} of {where}: each "

@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.load import _METADATA_FILENAME
@@ -27,14 +29,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightdist.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
 from lightdist.layout import ParallelLayout
 from lightdist.loss_parallel import vocab_parallel_cross_entropy
+from lightdist.pipeline import StageModel, clip_grad_norm_across_stages, keep_stage, stage_sizes, tied_across_stages
+from lightdist.plugins.pipeline import PipelineStep, TiedGradients
 from lightdist.sharding import ShardedOptimizer, ZeroStage, apply_data_parallel
-from lightdist.structure import find_decoder_stack
+from lightdist.structure import DecoderStack, find_decoder_stack
 from lightdist.tensor_parallel import (
     TensorParallelStyle,
     apply_tensor_parallel,
@@ -79,8 +85,12 @@ class ParallelStrategy(ModelParallelStrategy):
         pipeline_parallel_size: Ranks that each hold a slice of the decoder stack.
         zero_stage: What data-parallel ranks shard: 0 nothing (DDP), 1 optimizer state, 2 also gradients,
             3 also parameters.
-        pipeline_schedule: The schedule that runs microbatches through the pipeline stages.
-        microbatches: Microbatches per batch under a pipeline (default: ``pipeline_parallel_size``).
+        pipeline_schedule: The schedule that runs microbatches through the pipeline stages: ``"gpipe"`` (all
+            forwards, then all backwards) or ``"1f1b"`` (at most ``pipeline_parallel_size`` microbatches in flight).
+        microbatches: Microbatches each data-parallel rank's batch is cut into under a pipeline (default:
+            ``pipeline_parallel_size``); more shrink the pipeline's idle bubble.
+        pipeline_split: Decoder blocks per pipeline stage, e.g. ``[7, 9]``; default: balanced by parameter count,
+            counting the embeddings on the first stage and the norm and LM head on the last.
         activation_checkpointing: Recompute each block's activations in backward: ``"full"``, ``"selective"``
             (keep matmul and attention outputs) or ``None``.
         sequence_parallel: Under tensor parallelism, split activations between blocks along the sequence, so norms
@@ -103,6 +113,7 @@ class ParallelStrategy(ModelParallelStrategy):
         zero_stage: ZeroStage = 3,
         pipeline_schedule: PipelineSchedule = "1f1b",
         microbatches: int | None = None,
+        pipeline_split: list[int] | None = None,
         activation_checkpointing: ActivationCheckpointing | None = None,
         sequence_parallel: bool = True,
         loss_parallel: bool = False,
@@ -129,6 +140,9 @@ class ParallelStrategy(ModelParallelStrategy):
         self._zero_stage = zero_stage
         self._pipeline_schedule = pipeline_schedule
         self._microbatches = microbatches
+        self._pipeline_split = pipeline_split
+        self._pipeline_step: PipelineStep | None = None
+        self._tied_names: list[tuple[str, str]] = []
         self._activation_checkpointing = activation_checkpointing
         self._sequence_parallel = sequence_parallel
         self._loss_parallel = loss_parallel
@@ -187,7 +201,13 @@ class ParallelStrategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            # Under a pipeline the schedule runs backward inside training_step; Lightning must neither zero the
+            # gradients after it nor call backward on the returned loss.
+            trainer.fit_loop._skip_backward = self._pipeline_step is not None
         self.setup_precision_plugin()
+        if self._pipeline_step is not None:
+            # Lightning's clipping sees this stage's gradients only; the norm must cover every stage.
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_norm_across_stages
         if trainer.state.fn == TrainerFn.FITTING and not self._cpu_offload:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -199,6 +219,17 @@ class ParallelStrategy(ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self._pipeline_step is not None:
+            batch, batch_idx = args[0], args[1]
+            accumulate = self.lightning_module.trainer.accumulate_grad_batches
+            if batch_idx % accumulate == 0:
+                for optimizer in self.optimizers:
+                    optimizer.zero_grad()
+            with self.precision_plugin.train_step_context(), self._loss_context():
+                loss = self._pipeline_step("training_step", batch, batch_idx, train=True, loss_scale=1 / accumulate)
+            if not self.lightning_module.trainer.fit_loop._should_accumulate():
+                self._pipeline_step.sum_tied_gradients()
+            return loss
         with self._loss_context():
             return super().training_step(*args, **kwargs)
 
@@ -209,13 +240,29 @@ class ParallelStrategy(ModelParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self._pipeline_step is not None:
+            with self.precision_plugin.val_step_context(), self._loss_context():
+                return self._pipeline_step("validation_step", args[0], args[1], train=False)
         with self._loss_context():
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        self._refuse_under_pipeline("trainer.test")
         with self._loss_context():
             return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        self._refuse_under_pipeline("trainer.predict")
+        return super().predict_step(*args, **kwargs)
+
+    def _refuse_under_pipeline(self, what: str) -> None:
+        if self._pipeline_step is not None:
+            raise NotImplementedError(
+                f"{what} under pipeline parallelism is not in this lightdist release yet (trainer.fit and "
+                "trainer.validate are). Run it with pipeline_parallel_size=1: checkpoints load under any layout."
+            )
 
     def _loss_context(self) -> AbstractContextManager:
         return vocab_parallel_cross_entropy() if self._loss_parallel and self.layout.tp > 1 else nullcontext()
@@ -274,6 +321,19 @@ class ParallelStrategy(ModelParallelStrategy):
             description="lightdist: tensor parallel across each node's devices, ZeRO-3 across nodes",
             tensor_parallel_size="auto",
         )
+        strategy_registry.register(
+            "lightdist_pp",
+            cls,
+            description="lightdist: 2 pipeline stages (1F1B), ZeRO-3 across the rest",
+            pipeline_parallel_size=2,
+        )
+        strategy_registry.register(
+            "lightdist_3d",
+            cls,
+            description="lightdist: 2 pipeline stages x tensor parallel in pairs x ZeRO-3 across the rest",
+            pipeline_parallel_size=2,
+            tensor_parallel_size=2,
+        )
         for stage, shards in ((1, "optimizer state"), (2, "optimizer state and gradients"), (3, "everything")):
             strategy_registry.register(
                 f"lightdist_zero{stage}",
@@ -319,8 +379,13 @@ class ParallelStrategy(ModelParallelStrategy):
                 "`configure_model` before calling the Trainer."
             )
         stack = find_decoder_stack(module)
+        # The plan is found on the whole model, where the embedding and the head it splits by vocabulary are both seen.
+        plan = discover_plan(module, stack, tp_plan=self._tp_plan) if self.layout.tp > 1 else {}
+        stage = None
+        if self.layout.pp > 1:
+            stack, stage = self._cut_pipeline_stage(module, stack)
+            plan = {name: style for name, style in plan.items() if _holds_parameters(module, name)}
         if self.layout.tp > 1:
-            plan = discover_plan(module, stack, tp_plan=self._tp_plan)
             apply_tensor_parallel(
                 module,
                 stack,
@@ -340,8 +405,70 @@ class ParallelStrategy(ModelParallelStrategy):
             param_dtype=self._mixed_precision_compute_dtype(),
             cpu_offload=self._cpu_offload,
         )
+        if stage is not None:
+            pp_mesh = self.device_mesh["pp"]
+            pipeline_stage = PipelineStage(
+                root, pp_mesh.get_local_rank(), pp_mesh.size(), self.root_device, group=pp_mesh.get_group()
+            )
+            self._pipeline_step = PipelineStep(
+                module,
+                stage,
+                pipeline_stage,
+                _SCHEDULES[self._pipeline_schedule],
+                self._microbatches or self.layout.pp,
+                tied=self._tied_across_stages(module),
+            )
         self._parallel_root = root
         return root
+
+    def _cut_pipeline_stage(self, module: pl.LightningModule, stack: DecoderStack) -> tuple[DecoderStack, StageModel]:
+        """Keep this rank's stage of ``module``: its blocks, and the embeddings or the norm and head."""
+        pp, index = self.layout.pp, self.device_mesh["pp"].get_local_rank()
+        if pp > len(stack):
+            raise ValueError(
+                f"pipeline_parallel_size={pp} exceeds the {len(stack)} blocks of {stack.name}: every stage needs at "
+                f"least one. Choose pipeline_parallel_size<={len(stack)}."
+            )
+        sizes = self._pipeline_split or stage_sizes(module, stack, pp)
+        if len(sizes) != pp or sum(sizes) != len(stack) or min(sizes) < 1:
+            raise ValueError(
+                f"pipeline_split={sizes} must give each of the {pp} stages at least one block, {len(stack)} in all."
+            )
+        self._tied_names = tied_across_stages(module, stack)
+        start = sum(sizes[:index])
+        first, last = index == 0, index == pp - 1
+        stack = keep_stage(module, stack, range(start, start + sizes[index]), first=first, last=last)
+        as_stream = _identity
+        if self.layout.tp > 1 and self._sequence_parallel:
+            tp_mesh = self.device_mesh["tp"]
+            as_stream = partial(DTensor.from_local, device_mesh=tp_mesh, placements=[Shard(1)], run_check=False)
+        return stack, StageModel(stack, last=last, as_stream=as_stream)
+
+    def _clip_grad_norm_across_stages(self, optimizer: Optimizer, clip_val: float) -> None:
+        tied = self._pipeline_step.tied
+        counted_elsewhere = set()
+        if tied is not None and self.device_mesh["pp"].get_local_rank() != 0:  # the first stage counts tied weights
+            counted_elsewhere = {id(module.weight) for module in tied.modules}
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grad_norm_across_stages(
+            parameters, clip_val, self.device_mesh["pp"].get_group(), counted_elsewhere=counted_elsewhere
+        )
+
+    def _tied_across_stages(self, module: pl.LightningModule) -> TiedGradients | None:
+        """The weights this stage shares with the other end of the pipeline, and the group they are summed over.
+
+        Every rank takes part in creating the groups (one per (dp, tp) position, joining the first and last stage).
+        """
+        if not self._tied_names:
+            return None
+        mesh = self.device_mesh.mesh
+        pairs = [[int(mesh[0, d, t]), int(mesh[-1, d, t])] for d in range(mesh.shape[1]) for t in range(mesh.shape[2])]
+        group, _ = dist.new_subgroups_by_enumeration(pairs)
+        index = self.device_mesh["pp"].get_local_rank()
+        if index not in (0, self.layout.pp - 1):
+            return None
+        names = [embedding if index == 0 else head for embedding, head in self._tied_names]
+        return TiedGradients([module.get_submodule(name) for name in names], group)
 
     def _mixed_precision_compute_dtype(self) -> torch.dtype | None:
         if isinstance(self.precision_plugin, MixedPrecision):
@@ -351,6 +478,20 @@ class ParallelStrategy(ModelParallelStrategy):
     def _shard_optimizer_states(self) -> None:
         # LR schedulers keep the user's optimizers: a ShardedOptimizer shares their parameter groups.
         self.optimizers = [ShardedOptimizer(optimizer, self.device_mesh["dp"]) for optimizer in self.optimizers]
+
+
+_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
+def _holds_parameters(module: nn.Module, name: str) -> bool:
+    try:
+        return any(True for _ in module.get_submodule(name).parameters(recurse=False))
+    except AttributeError:  # a block another pipeline stage holds
+        return False
 
 
 def _validate_options(
@@ -390,8 +531,8 @@ def _validate_options(
             f"cpu_offload=True needs sharded parameters and gradients, but zero_stage={zero_stage}. "
             "Use zero_stage=2 or 3 with cpu_offload."
         )
-    if pipeline_parallel_size > 1:
+    if pipeline_parallel_size > 1 and pipeline_schedule not in _SCHEDULES:
         raise NotImplementedError(
-            f"pipeline_parallel_size={pipeline_parallel_size}: pipeline parallelism is not in this lightdist release "
-            "yet (it is being built). Use pipeline_parallel_size=1 and data parallelism with ZeRO for now."
+            f"pipeline_schedule={pipeline_schedule!r} is not in this lightdist release yet (interleaved and "
+            f"zero-bubble schedules are being built). Use one of {', '.join(_SCHEDULES)}."
         )

@@ -7,6 +7,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
+from lightdist.models import Llama, TokenDataModule
 from lightdist.plugins import ParallelStrategy
 from lightdist.structure import find_decoder_stack
 
@@ -45,12 +46,36 @@ def test_cpu_offload_on_cpu_accelerator_is_rejected() -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (dict(pipeline_parallel_size=2), r"pipeline_parallel_size=2: pipeline parallelism is not in this lightdist"),
+        (
+            dict(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b"),
+            r"pipeline_schedule='interleaved_1f1b' is not in this lightdist release yet .* Use one of gpipe, 1f1b",
+        ),
+        (dict(pipeline_parallel_size=2, pipeline_schedule="zbv"), r"pipeline_schedule='zbv' is not in this"),
     ],
 )
 def test_dimensions_not_yet_built_say_so(options: dict, message: str) -> None:
     with pytest.raises(NotImplementedError, match=message):
         ParallelStrategy(**options)
+
+
+def fit_llama_pipeline(config: dict, strategy: dict) -> None:
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=ParallelStrategy(**strategy), max_steps=1, logger=False)
+    data = TokenDataModule(seq_len=16, batch_size=4, val_fraction=0.0, synthetic_tokens=4096)
+    trainer.fit(Llama("tiny", config=config), datamodule=data)
+
+
+@pytest.mark.parametrize(
+    ("config", "strategy", "message"),
+    [
+        ({"n_layers": 1}, {}, r"pipeline_parallel_size=2 exceeds the 1 blocks of model.layers: every stage needs"),
+        ({}, {"microbatches": 3}, r"microbatches=3 does not divide the batch of 4 on each data-parallel rank"),
+        ({}, {"pipeline_split": [3, 2]}, r"pipeline_split=\[3, 2\] must give each of the 2 stages at least one block"),
+    ],
+    ids=["more_stages_than_blocks", "microbatches", "split"],
+)
+def test_pipelines_that_cannot_be_cut_or_fed(config: dict, strategy: dict, message: str) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        run_ranks(2, fit_llama_pipeline, config, dict(pipeline_parallel_size=2, **strategy))
 
 
 def test_unknown_strategy_name_is_named_in_the_error() -> None:

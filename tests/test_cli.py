@@ -50,6 +50,16 @@ def test_config_trains_and_saves_a_sharded_checkpoint(tmp_path: Path, config: st
 
 
 @pytest.mark.multirank
+def test_main_job_config_trains_3d_and_saves_every_ranks_shard(tmp_path: Path) -> None:
+    run = lightdist_fit("3d_cpu.yaml", "--trainer.devices=8", cwd=tmp_path)  # pp=2 x dp=2 x tp=2
+    assert run.returncode == 0, run.stderr[-3000:]
+    (checkpoint,) = (tmp_path / "runs").rglob("*.ckpt")
+    assert sorted(path.name for path in checkpoint.iterdir() if path.suffix == ".distcp") == [
+        f"__{rank}_0.distcp" for rank in range(8)
+    ]
+
+
+@pytest.mark.multirank
 def test_torchrun_launches_the_ranks(tmp_path: Path) -> None:
     torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
     run = lightdist_fit("zero3_cpu.yaml", "--trainer.strategy.init_args.zero_stage=2", cwd=tmp_path, launcher=torchrun)
@@ -69,13 +79,14 @@ DATA_PARALLEL = "pp=1 x dp=2 x tp=1"
 
 
 @pytest.mark.parametrize(
-    ("name", "zero_stage", "layout"),
-    [("lightdist", 3, DATA_PARALLEL), ("lightdist_ddp", 0, DATA_PARALLEL)]
-    + [(f"lightdist_zero{stage}", stage, DATA_PARALLEL) for stage in (1, 2, 3)]
-    + [("lightdist_tp", 3, "pp=1 x dp=1 x tp=2")],
+    ("name", "devices", "zero_stage", "layout"),
+    [("lightdist", 2, 3, DATA_PARALLEL), ("lightdist_ddp", 2, 0, DATA_PARALLEL)]
+    + [(f"lightdist_zero{stage}", 2, stage, DATA_PARALLEL) for stage in (1, 2, 3)]
+    + [("lightdist_tp", 2, 3, "pp=1 x dp=1 x tp=2"), ("lightdist_pp", 4, 3, "pp=2 x dp=2 x tp=1")]
+    + [("lightdist_3d", 8, 3, "pp=2 x dp=2 x tp=2")],
 )
-def test_registered_names_choose_the_layout(name: str, zero_stage: int, layout: str) -> None:
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
+def test_registered_names_choose_the_layout(name: str, devices: int, zero_stage: int, layout: str) -> None:
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=name, logger=False)
     assert trainer.strategy.zero_stage == zero_stage
     assert str(trainer.strategy.layout) == layout
 
@@ -101,6 +112,15 @@ def test_plan_shows_every_split_of_a_70b_model_without_allocating_it(capsys: pyt
 def test_plan_reads_the_model_and_tp_size_from_a_config(capsys: pytest.CaptureFixture) -> None:
     main(["plan", "--config", str(CONFIGS / "tp2_zero3_cpu.yaml")])
     assert capsys.readouterr().out.startswith("Llama: 4 blocks in model.layers, tensor_parallel_size=2\n")
+
+
+def test_plan_shows_the_pipeline_stages_of_a_3d_config(capsys: pytest.CaptureFixture) -> None:
+    main(["plan", "--config", str(CONFIGS / "3d_cpu.yaml")])
+    stages = capsys.readouterr().out.split("pipeline_parallel_size=2\n")[1].splitlines()
+    assert stages == [
+        "  stage 0: model.layers.0-1 + embeddings: 96,512 parameters",  # 2 blocks of 46,208 and the 64 x 64 embedding
+        "  stage 1: model.layers.2-3 + norm and head: 96,576 parameters",
+    ]
 
 
 def test_plan_rejects_a_split_that_does_not_divide(capsys: pytest.CaptureFixture) -> None:

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from multirank import run_ranks
-from training import Case, Result, train_cases
+from training import Case, Result, merge_stages, train_cases
 
 pytestmark = pytest.mark.multirank
 
 TP2 = dict(tensor_parallel_size=2)  # with sequence parallelism, the default
 TP2_NO_SP = dict(tensor_parallel_size=2, sequence_parallel=False)
+PP2 = dict(pipeline_parallel_size=2)  # 1F1B over 2 microbatches, by default
 
 CASES = {
     2: {
@@ -36,6 +37,12 @@ CASES = {
         "hf_llama_zero3": Case(strategy=dict(zero_stage=3), model="hf_llama"),
         "hf_llama_tp2": Case(strategy=dict(TP2, zero_stage=3), model="hf_llama", gradient_clip_val=0.1),
         "hf_opt_tp2_row_parallel_biases": Case(strategy=dict(TP2_NO_SP, zero_stage=3), model="hf_opt"),
+        "pp2_gpipe": Case(strategy=dict(PP2, pipeline_schedule="gpipe")),
+        "pp2_1f1b_4_microbatches_clip": Case(strategy=dict(PP2, microbatches=4), gradient_clip_val=0.1),
+        "pp2_accumulate": Case(strategy=dict(PP2), accumulate_grad_batches=2),
+        # the embedding on the first stage and the LM head on the last share one weight
+        "pp2_gpt2_tied_clip": Case(strategy=dict(PP2, microbatches=4), model="gpt2", gradient_clip_val=0.1),
+        "pp2_hf_llama": Case(strategy=dict(PP2), model="hf_llama"),
     },
     4: {
         "zero0": Case(strategy=dict(zero_stage=0)),
@@ -58,6 +65,16 @@ CASES = {
         ),
         "tp2_dp2_zero0_accumulate": Case(strategy=dict(TP2, zero_stage=0), accumulate_grad_batches=2),
         "tp2_dp2_zero1_clip": Case(strategy=dict(TP2, zero_stage=1), gradient_clip_val=0.1),
+        "pp2_dp2_zero3_full_checkpointing": Case(strategy=dict(PP2, activation_checkpointing="full")),
+        "pp2_tp2_sequence_parallel_clip": Case(strategy=dict(PP2, **TP2), gradient_clip_val=0.1),
+        "pp2_dp2_hf_llama_zero1": Case(strategy=dict(PP2, zero_stage=1, microbatches=4), model="hf_llama"),
+    },
+    8: {  # 3D: pp=2 x dp=2 x tp=2
+        "3d_clip": Case(strategy=dict(PP2, **TP2), gradient_clip_val=0.1),
+        "3d_gpt2_fused_qkv_tied_clip": Case(
+            strategy=dict(PP2, **TP2, microbatches=4), model="gpt2_no_bias", gradient_clip_val=0.1
+        ),
+        "3d_hf_llama": Case(strategy=dict(PP2, **TP2), model="hf_llama"),
     },
 }
 
@@ -65,8 +82,8 @@ CASES = {
 @cache
 def parallel_results(world_size: int) -> dict[str, Result]:
     cases = CASES[world_size]
-    rank0 = run_ranks(world_size, train_cases, list(cases.values()), world_size)[0]
-    return dict(zip(cases, rank0, strict=True))
+    results = merge_stages(run_ranks(world_size, train_cases, list(cases.values()), world_size))
+    return dict(zip(cases, results, strict=True))
 
 
 @cache

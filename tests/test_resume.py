@@ -51,6 +51,8 @@ def stop_and_resume(saved: Case, resumed: Case, checkpoint: str) -> tuple[Result
             two_epochs(model="gpt2_no_bias", tensor_parallel_size=2),
             two_epochs(model="gpt2_no_bias", batch_size=2, zero_stage=3),
         ),
+        # two pipeline stages on save, each holding half the blocks; whole models on 2 data-parallel ranks on load
+        (two_epochs(pipeline_parallel_size=2), two_epochs(batch_size=2, zero_stage=3)),
         # optimizer state split by parameter on save, whole parameters split across 2 ranks on load
         (two_epochs(batch_size=2, zero_stage=1), two_epochs(tensor_parallel_size=2, zero_stage=3)),
     ],
@@ -62,6 +64,7 @@ def stop_and_resume(saved: Case, resumed: Case, checkpoint: str) -> tuple[Result
         "zero3_to_zero0",
         "tp2_to_dp2",
         "gpt2_fused_qkv_tp2_to_dp2",
+        "pp2_to_dp2",
         "dp2_zero1_to_tp2",
     ],
 )

@@ -117,7 +117,10 @@ class Case:
 
     def reference(self, world_size: int) -> Case:
         """The single-process run that must produce the same numbers as this one on ``world_size`` ranks."""
-        data_parallel_size = world_size // (self.strategy or {}).get("tensor_parallel_size", 1)
+        strategy = self.strategy or {}
+        data_parallel_size = world_size // (
+            strategy.get("tensor_parallel_size", 1) * strategy.get("pipeline_parallel_size", 1)
+        )
         return Case(
             model=self.model,
             steps=self.steps,
@@ -179,9 +182,19 @@ def train(
     trainer.fit(model, datamodule=data, ckpt_path=resume_from)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    result.params = {name: tensor.clone() for name, tensor in state.items()}
+    # Every rank gathers its own pipeline stage's parameters (full_state_dict with cpu_offload would fill rank 0 only).
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    result.params = {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
     return result
+
+
+def merge_stages(results_per_rank: list[list[Result]]) -> list[Result]:
+    """Rank 0's results with every rank's parameters: under a pipeline each rank holds one stage's."""
+    merged = results_per_rank[0]
+    for rank_results in results_per_rank[1:]:
+        for result, other in zip(merged, rank_results, strict=True):
+            result.params.update(other.params)
+    return merged
 
 
 def train_cases(cases: list[Case], devices: int = 1) -> list[Result]:

@@ -1,0 +1,196 @@
+"""Pipeline parallelism for a model nobody cut into stages: cut it by its structure, run torch's schedules over it.
+
+Each pipeline rank keeps its contiguous share of the decoder blocks; the first also keeps the embeddings, the last the
+final norm and LM head. The model's own ``forward`` still runs whole on every stage, so whatever it computes around
+the blocks (positions, masks, rotary tables) is computed as usual, but:
+
+- on later stages the embeddings are placeholders without weights, and the stage's first block takes the activation
+  received from the previous stage instead of what the placeholders produced;
+- on earlier stages the norm and head are pass-throughs, and the stage's output is its last block's output.
+
+Blocks keep their names (``model.layers.5`` stays ``model.layers.5`` on the second stage), so checkpoints are keyed
+as without a pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightdist.structure import DecoderStack
+
+__all__ = [
+    "StageModel",
+    "balanced_split",
+    "clip_grad_norm_across_stages",
+    "keep_stage",
+    "stage_sizes",
+    "tied_across_stages",
+]
+
+
+def balanced_split(costs: list[int], stages: int, *, first_extra: int = 0, last_extra: int = 0) -> list[int]:
+    """Blocks per stage, contiguous, minimising the largest stage's cost (the pipeline's pace).
+
+    ``first_extra`` and ``last_extra`` are what the first and last stage carry besides blocks: the embeddings, the
+    final norm and LM head.
+    """
+    n = len(costs)
+    prefix = [0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    infinity = float("inf")
+    # best[s][i]: the smallest possible largest cost when the first s stages hold the first i blocks.
+    best = [[infinity] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for s in range(1, stages + 1):
+        extra = (first_extra if s == 1 else 0) + (last_extra if s == stages else 0)
+        for i in range(s, n - (stages - s) + 1):
+            for j in range(s - 1, i):
+                worst = max(best[s - 1][j], prefix[i] - prefix[j] + extra)
+                if worst < best[s][i]:
+                    best[s][i], cut[s][i] = worst, j
+    sizes, i = [], n
+    for s in range(stages, 0, -1):
+        sizes.append(i - cut[s][i])
+        i = cut[s][i]
+    return sizes[::-1]
+
+
+def stage_sizes(model: nn.Module, stack: DecoderStack, stages: int) -> list[int]:
+    """Blocks per stage for ``model``, balanced by parameters: embeddings weigh on the first, the rest on the last."""
+    outside = [m for name, m in model.named_modules() if name and not stack.contains(name)]
+    own = [(m, p.numel()) for m in outside for p in m.parameters(recurse=False)]
+    embeddings = sum(n for m, n in own if isinstance(m, nn.Embedding))
+    rest = sum(n for m, n in own if not isinstance(m, nn.Embedding))
+    costs = [sum(p.numel() for p in block.parameters()) for block in stack.blocks]
+    return balanced_split(costs, stages, first_extra=embeddings, last_extra=rest)
+
+
+def tied_across_stages(module: nn.Module, stack: DecoderStack) -> list[tuple[str, str]]:
+    """(embedding, head) module names sharing a ``weight``: the first stage keeps one, the last the other."""
+    outside = [(name, m) for name, m in module.named_modules() if name and not stack.contains(name)]
+    embeddings = {id(m.weight): name for name, m in outside if isinstance(m, nn.Embedding)}
+    return [
+        (embeddings[id(m.weight)], name)
+        for name, m in outside
+        if not isinstance(m, nn.Embedding)
+        and isinstance(getattr(m, "weight", None), nn.Parameter)
+        and id(m.weight) in embeddings
+    ]
+
+
+class _StageBlocks(nn.ModuleList):
+    """This stage's blocks under their original names; ``blocks[0]`` is the stage's first, as code expects."""
+
+    def __getitem__(self, index: int | slice) -> nn.Module | nn.ModuleList:
+        if isinstance(index, int):
+            return list(self._modules.values())[index]
+        return nn.ModuleList(list(self._modules.values())[index])
+
+
+class _EmbeddingPlaceholder(nn.Module):
+    """An embedding on later stages: zeros of its output shape, replaced at the first block by the received input."""
+
+    def __init__(self, embedding_dim: int) -> None:
+        super().__init__()
+        self.embedding_dim = embedding_dim
+
+    def forward(self, indices: Tensor) -> Tensor:
+        return torch.zeros(*indices.shape, self.embedding_dim, device=indices.device)
+
+
+class _PassThrough(nn.Module):
+    """Stands in for the final norm and LM head on earlier stages, whose output is taken at their last block."""
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return x
+
+
+def keep_stage(model: nn.Module, stack: DecoderStack, blocks: range, *, first: bool, last: bool) -> DecoderStack:
+    """Drop from ``model`` what another stage holds: other blocks, and the embeddings or the norm and head.
+
+    Returns the stage's own stack.
+    """
+    kept = _StageBlocks()
+    kept._modules = {
+        name: block for index, (name, block) in enumerate(stack.blocks.named_children()) if index in blocks
+    }
+    _set_submodule(model, stack.name, kept)
+    for name, module in list(model.named_modules()):
+        if not name or stack.contains(name):
+            continue
+        if not first and isinstance(module, nn.Embedding):
+            _set_submodule(model, name, _EmbeddingPlaceholder(module.embedding_dim))
+        elif not last and not isinstance(module, nn.Embedding) and any(True for _ in module.parameters(recurse=False)):
+            _set_submodule(model, name, _PassThrough())
+    return DecoderStack(stack.name, kept)
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+class StageModel:
+    """Runs a model's forward as one pipeline stage: the first block takes the incoming activation (made a stream
+    tensor by ``as_stream``: sequence-parallel DTensors travel as their local shards), the last block's output leaves.
+    """
+
+    def __init__(self, stack: DecoderStack, *, last: bool, as_stream: Callable[[Tensor], Tensor] = lambda x: x) -> None:
+        self.last, self.as_stream = last, as_stream
+        self._incoming: Tensor | None = None
+        self._outgoing: Tensor | None = None
+        blocks = list(stack.blocks)
+        blocks[0].register_forward_pre_hook(self._take_incoming, with_kwargs=True)
+        blocks[-1].register_forward_hook(self._keep_outgoing)
+
+    def forward(self, forward: Callable[..., Any], model_input: Tensor, *incoming: Tensor) -> Any:
+        """``forward(model_input)`` as this stage: ``incoming`` is the previous stage's output, if any."""
+        self._incoming = incoming[0] if incoming else None
+        try:
+            output = forward(model_input)
+        finally:
+            self._incoming = None
+        if not self.last:
+            output, self._outgoing = self._outgoing, None
+            if isinstance(output, DTensor):
+                output = output.to_local()
+        # A view (to_local's, a head's) would let an in-place op drop FSDP's pre-backward hook on the stage.
+        return output.clone() if isinstance(output, Tensor) and output._base is not None else output
+
+    def _take_incoming(self, block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self._incoming is None:
+            return None
+        return (self.as_stream(self._incoming), *args[1:]), kwargs
+
+    def _keep_outgoing(self, block: nn.Module, args: tuple, output: Any) -> None:
+        self._outgoing = output[0] if isinstance(output, tuple) else output
+
+
+def clip_grad_norm_across_stages(
+    parameters: list[nn.Parameter],
+    max_norm: float,
+    pp_group: dist.ProcessGroup,
+    *,
+    counted_elsewhere: set[int] = frozenset(),
+) -> Tensor:
+    """Clip by the norm of the whole model's gradient, of which each stage holds a share.
+
+    ``counted_elsewhere``: ids of parameters another stage also holds and counts (a weight tied across the ends).
+    """
+    counted = [p.grad for p in parameters if p.grad is not None and id(p) not in counted_elsewhere]
+    norm = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros((), device=parameters[0].device)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    squared = norm.float().pow(2)
+    dist.all_reduce(squared, group=pp_group)
+    total = squared.sqrt()
+    torch.nn.utils.clip_grads_with_norm_([p for p in parameters if p.grad is not None], max_norm, total)
+    return total

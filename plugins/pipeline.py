@@ -1,0 +1,174 @@
+"""The user's ``training_step`` as the loss of a pipeline schedule.
+
+Lightning calls ``training_step`` once per batch and expects it to return the loss. Under a pipeline the batch is cut
+into microbatches that flow through the stages, and only the last stage sees outputs. So each step:
+
+1. runs the user's step until it calls the model, to learn the model's input (the token ids), on every stage;
+2. runs torch's schedule: the first stage feeds that input, the last stage calls the user's step once per microbatch
+   with the stage output in place of the model call, which makes the step's own label shifting and masking the loss;
+3. replays on every rank what the step logged (the mean over microbatches, as one call over the whole batch logs),
+   and returns the mean loss, so ``self.log(sync_dist=True)``, the progress bar and callbacks see the usual values.
+
+Gradients come from the schedule's backward; the strategy tells Lightning to skip its own.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.tensor import DTensor
+
+from lightdist.pipeline import StageModel
+
+__all__ = ["PipelineStep", "TiedGradients"]
+
+
+class TiedGradients:
+    """Weights tied across the pipeline's ends (embedding and LM head): each end holds a copy, and the copies stay
+    equal because their gradients are summed over ``group`` before every optimizer step."""
+
+    def __init__(self, modules: list[nn.Module], group: dist.ProcessGroup) -> None:
+        self.modules, self.group = modules, group
+
+    def sum(self) -> None:
+        for module in self.modules:
+            grad = module.weight.grad
+            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
+
+
+class _ModelCalled(Exception):
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        super().__init__("the model was called")
+        self.args, self.kwargs = args, kwargs
+
+
+class PipelineStep:
+    """Runs one ``training_step``/``validation_step`` of ``module`` on this pipeline stage with ``schedule_class``."""
+
+    def __init__(
+        self,
+        module: LightningModule,
+        stage: StageModel,
+        pipeline_stage: PipelineStage,
+        schedule_class: type[PipelineScheduleSingle],
+        microbatches: int,
+        *,
+        tied: TiedGradients | None = None,
+    ) -> None:
+        self.module, self.stage, self.microbatches, self.tied = module, stage, microbatches, tied
+        self.pp_group, self.last = pipeline_stage.group, pipeline_stage.is_last
+        # The schedule's own scaling divides every gradient by the microbatch count after each step, also those
+        # accumulated over earlier batches; scaling each microbatch's loss instead keeps accumulation exact.
+        self.schedule = schedule_class(
+            pipeline_stage, n_microbatches=microbatches, loss_fn=self.loss, scale_grads=False
+        )
+        self._step: Callable[..., Any] | None = None
+        self._logged: dict[str, list] = defaultdict(list)
+        self._log_options: dict[str, dict] = {}
+        self._loss_scale = 1.0
+        self._last_stage = dist.get_world_size(self.pp_group) - 1  # the pp group's ranks are in stage order
+
+    def __call__(self, step_name: str, batch: Any, batch_idx: int, *, train: bool, loss_scale: float = 1.0) -> Tensor:
+        """The step's mean loss over the batch. Backward runs on each microbatch's loss divided by the number of
+        microbatches and multiplied by ``loss_scale`` (Lightning's 1/accumulate_grad_batches, which it applies to a
+        loss before its own backward)."""
+        self._loss_scale = loss_scale / self.microbatches
+        step = getattr(type(self.module), step_name)
+        self._step = lambda microbatch: step(self.module, microbatch, batch_idx)
+        model_input = self._model_input(batch)
+        if model_input.shape[0] % self.microbatches:
+            raise ValueError(
+                f"microbatches={self.microbatches} does not divide the batch of {model_input.shape[0]} on each "
+                "data-parallel rank. Choose microbatches that divide the per-rank batch size."
+            )
+        losses: list[Tensor] = []
+        original_forward = type(self.module).forward.__get__(self.module)
+        self.module.forward = lambda *incoming, lightdist_model_input: self.stage.forward(
+            original_forward, lightdist_model_input, *incoming
+        )
+        try:
+            run = self.schedule.step if train else self.schedule.eval
+            run(
+                lightdist_model_input=model_input,
+                target=batch if self.last else None,
+                losses=losses if self.last else None,
+                return_outputs=False,
+            )
+        finally:
+            del self.module.forward
+            self._step = None
+        loss = torch.stack([loss.detach() for loss in losses]).sum() / loss_scale if self.last else torch.zeros(())
+        loss = loss.to(model_input.device).float()
+        dist.broadcast(loss, group_src=self._last_stage, group=self.pp_group)
+        self._replay_logs()
+        return loss
+
+    def sum_tied_gradients(self) -> None:
+        """Before the optimizer steps: both ends of the pipeline apply the tied weight's whole gradient."""
+        if self.tied is not None:
+            self.tied.sum()
+
+    def loss(self, output: Any, microbatch: Any) -> Tensor:
+        """The schedule's ``loss_fn`` on the last stage: the user's step, its model call answered with ``output``."""
+        assert self._step is not None
+        stage_forward = self.module.forward
+        self.module.forward = lambda *args, **kwargs: output
+        self.module.log = self._record_log
+        try:
+            result = self._step(microbatch)
+        finally:
+            self.module.forward = stage_forward
+            del self.module.log
+        return (result["loss"] if isinstance(result, Mapping) else result) * self._loss_scale
+
+    def _model_input(self, batch: Any) -> Tensor:
+        def called(*args: Any, **kwargs: Any) -> None:
+            raise _ModelCalled(args, kwargs)
+
+        self.module.forward = called
+        try:
+            self._step(batch)
+        except _ModelCalled as call:
+            args, kwargs = call.args, call.kwargs
+        else:
+            raise RuntimeError(
+                f"{type(self.module).__name__}'s step never called the model (`self(...)`), so pipeline parallelism "
+                "cannot tell what enters the first stage. Call the model from your step, e.g. `logits = self(x)`."
+            )
+        finally:
+            del self.module.forward
+        if len(args) != 1 or kwargs or not isinstance(args[0], Tensor):
+            raise ValueError(
+                "Pipeline parallelism sends one tensor, the model's input, into the first stage, but your step calls "
+                f"the model with {len(args)} positional and {len(kwargs)} keyword arguments. Call it with the token "
+                "ids alone, e.g. `self(tokens)`."
+            )
+        return args[0]
+
+    def _record_log(self, name: str, value: Any, **options: Any) -> None:
+        self._logged[name].append(torch.as_tensor(value.detach() if isinstance(value, Tensor) else value).float())
+        self._log_options[name] = options
+
+    def _replay_logs(self) -> None:
+        """Log on every rank the mean over microbatches of what the last stage's steps logged.
+
+        Only the last ``microbatches`` calls count: on its first step the schedule also calls the loss once to learn
+        the gradients' shapes, with outputs that are not the model's.
+        """
+        logged = [
+            {name: torch.stack(values[-self.microbatches :]).mean().cpu() for name, values in self._logged.items()},
+            self._log_options,
+        ]
+        dist.broadcast_object_list(logged, group_src=self._last_stage, group=self.pp_group)
+        self._logged, self._log_options = defaultdict(list), {}
+        values, options = logged
+        for name, value in values.items():
+            self.module.log(name, value, **options[name])

@@ -1,0 +1,51 @@
+"""How a model is cut into pipeline stages, and validation through a pipeline (training is in test_equivalence)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Trainer, seed_everything
+
+from lightdist.models import Llama, TokenDataModule
+from lightdist.pipeline import balanced_split
+from lightdist.plugins import ParallelStrategy
+
+from multirank import run_ranks
+
+
+def test_stages_balance_parameters_counting_embeddings_and_head() -> None:
+    assert balanced_split([1] * 6, 2) == [3, 3]
+    assert balanced_split([1] * 6, 2, first_extra=2) == [2, 4]  # the embeddings weigh as much as two blocks
+    assert balanced_split([4, 1, 1, 1, 1], 2) == [1, 4]  # a heavy first block is a stage of its own
+    assert balanced_split([4, 1, 1, 1, 1], 2, last_extra=2) == [2, 3]
+
+
+def validate(strategy: dict | None, devices: int) -> tuple[dict[str, float], list[str]]:
+    """``trainer.validate`` of a freshly seeded tiny Llama; its metrics and the parameter names this rank holds."""
+    seed_everything(1234)
+    model = Llama("tiny")
+    data = TokenDataModule(seq_len=32, batch_size=4, val_fraction=0.25, synthetic_tokens=16_384, shuffle=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=ParallelStrategy(**strategy) if strategy else "auto",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    (metrics,) = trainer.validate(model, datamodule=data)
+    return metrics, [name for name, _ in model.named_parameters()]
+
+
+@pytest.mark.multirank
+def test_validation_through_a_pipeline_matches_one_process() -> None:
+    (first, first_names), (last, last_names) = run_ranks(2, validate, dict(pipeline_parallel_size=2, microbatches=2), 2)
+    ((single, _),) = run_ranks(1, validate, None, 1)
+
+    torch.testing.assert_close(first["val_loss"], single["val_loss"], rtol=1e-5, atol=0)
+    assert first == last  # every stage reports the last stage's numbers
+    # Each stage keeps its blocks under their own names: the first the embeddings, the last the norm and head.
+    assert [name for name in first_names if ".layers." not in name] == ["model.embed_tokens.weight"]
+    assert [name for name in last_names if ".layers." not in name] == ["model.norm.weight", "model.lm_head.weight"]
+    assert {name.split(".")[2] for name in first_names + last_names if ".layers." in name} == {"0", "1", "2", "3"}
+    assert not {name for name in first_names if ".layers." in name} & set(last_names)
