@@ -162,7 +162,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--blocks-per-stage", type=int, default=2)
-    parser.add_argument("--forward-ms", type=float, default=10.0, help="each block's forward per microbatch")
+    parser.add_argument("--forward-ms", type=float, default=30.0, help="each block's forward per microbatch")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()

@@ -24,3 +24,15 @@ def test_throughput_benchmark_prints_all_three_runs(tmp_path: Path) -> None:
         "Lightning ModelParallelStrategy (FSDP2)",
         "lightdist ParallelStrategy (ZeRO-3)",
     ]
+
+
+def test_pipeline_bubble_benchmark_counts_microbatches_in_flight(tmp_path: Path) -> None:
+    bubble = BENCH.parent / "pipeline_bubble.py"
+    options = ["--stages", "2", "--microbatches", "4", "--steps", "1", "--forward-ms", "1"]
+    run = subprocess.run(
+        [sys.executable, str(bubble), *options], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {tuple(line.split()[:3]): line.split()[-1] for line in run.stdout.splitlines() if line.startswith(" 2 ")}
+    # GPipe holds every microbatch's activations before the first backward; 1F1B at most one per stage.
+    assert rows == {("2", "1f1b", "4"): "2", ("2", "gpipe", "4"): "4"}
