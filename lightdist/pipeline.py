@@ -168,6 +168,12 @@ class StageModel:
     def _take_incoming(self, block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self._incoming is None:
             return None
+        if not args:
+            raise ValueError(
+                f"Pipeline parallelism hands each stage's first block ({type(block).__name__}) the previous stage's "
+                "output as its first positional argument, but the model calls its blocks by keyword only. Call them "
+                "with the hidden states first, e.g. `block(x, ...)`."
+            )
         return (self.as_stream(self._incoming), *args[1:]), kwargs
 
     def _keep_outgoing(self, block: nn.Module, args: tuple, output: Any) -> None:

@@ -105,7 +105,8 @@ def main(argv: list[str]) -> None:
         parser.error("name the model with --model or --config.")
     try:
         model = _build_on_meta(class_path, init_args)
-        print(format_plan(model, tp or 2, tp_plan))
+        if tp is not None or pp is None:  # nothing asked for: the tensor-parallel plan at tp=2
+            print(format_plan(model, tp or 2, tp_plan))
         if (pp or 1) > 1:
             print(format_stages(model, pp, split))
     except ValueError as error:

@@ -53,6 +53,11 @@ class CausalLM(LightningModule):
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
+    def test_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        loss = self.loss(batch)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
     def configure_optimizers(self):
         # Decay matrices and embeddings, not norms or biases (GPT-3, Llama).
         decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -70,7 +71,8 @@ class PipelineStep:
         self.schedule = schedule_class(
             pipeline_stage, n_microbatches=microbatches, loss_fn=self.loss, scale_grads=False
         )
-        self._step: Callable[..., Any] | None = None
+        self._step: Callable[..., Any] | None = None  # the user's step, per microbatch, as the loss
+        self._step_for_input: Callable[..., Any] | None = None  # the step run only to learn the model's input
         self._logged: dict[str, list] = defaultdict(list)
         self._log_options: dict[str, dict] = {}
         self._loss_scale = 1.0
@@ -83,33 +85,53 @@ class PipelineStep:
         self._loss_scale = loss_scale / self.microbatches
         step = getattr(type(self.module), step_name)
         self._step = lambda microbatch: step(self.module, microbatch, batch_idx)
+        losses: list[Tensor] = []
+        self._run(self.schedule.step if train else self.schedule.eval, batch, losses)
+        loss = torch.stack([loss.detach() for loss in losses]).sum() / loss_scale if self.last else torch.zeros(())
+        loss = loss.to(self.module.device).float()
+        dist.broadcast(loss, group_src=self._last_stage, group=self.pp_group)
+        self._replay_logs()
+        return loss
+
+    def predict(self, batch: Any, batch_idx: int) -> Any:
+        """The user's ``predict_step`` given the whole batch's output, which the forward-only schedule computed;
+        every stage returns the last stage's result."""
+        step = partial(type(self.module).predict_step, self.module, batch_idx=batch_idx)
+        self._step, self._step_for_input = None, step  # no loss: the schedule's loss calls return zero
+        outputs = self._run(self.schedule.eval, batch, [], return_outputs=True)
+        result = None
+        if self.last:
+            self.module.forward = lambda *args, **kwargs: outputs
+            try:
+                result = step(batch)
+            finally:
+                del self.module.forward
+        shared = [result]
+        dist.broadcast_object_list(shared, group_src=self._last_stage, group=self.pp_group)
+        return shared[0]
+
+    def _run(self, run: Callable[..., Any], batch: Any, losses: list[Tensor], *, return_outputs: bool = False) -> Any:
+        """``run`` (the schedule's step or eval) on ``batch``, whose model input the user's step reveals."""
         model_input = self._model_input(batch)
         if model_input.shape[0] % self.microbatches:
             raise ValueError(
                 f"microbatches={self.microbatches} does not divide the batch of {model_input.shape[0]} on each "
                 "data-parallel rank. Choose microbatches that divide the per-rank batch size."
             )
-        losses: list[Tensor] = []
         original_forward = type(self.module).forward.__get__(self.module)
         self.module.forward = lambda *incoming, lightdist_model_input: self.stage.forward(
             original_forward, lightdist_model_input, *incoming
         )
         try:
-            run = self.schedule.step if train else self.schedule.eval
-            run(
+            return run(
                 lightdist_model_input=model_input,
                 target=batch if self.last else None,
                 losses=losses if self.last else None,
-                return_outputs=False,
+                return_outputs=return_outputs,
             )
         finally:
             del self.module.forward
-            self._step = None
-        loss = torch.stack([loss.detach() for loss in losses]).sum() / loss_scale if self.last else torch.zeros(())
-        loss = loss.to(model_input.device).float()
-        dist.broadcast(loss, group_src=self._last_stage, group=self.pp_group)
-        self._replay_logs()
-        return loss
+            self._step = self._step_for_input = None
 
     def sum_tied_gradients(self) -> None:
         """Before the optimizer steps: both ends of the pipeline apply the tied weight's whole gradient."""
@@ -118,7 +140,8 @@ class PipelineStep:
 
     def loss(self, output: Any, microbatch: Any) -> Tensor:
         """The schedule's ``loss_fn`` on the last stage: the user's step, its model call answered with ``output``."""
-        assert self._step is not None
+        if self._step is None:  # predicting: the schedule computes outputs only
+            return torch.zeros((), device=self.module.device)
         stage_forward = self.module.forward
         self.module.forward = lambda *args, **kwargs: output
         self.module.log = self._record_log
@@ -135,7 +158,7 @@ class PipelineStep:
 
         self.module.forward = called
         try:
-            self._step(batch)
+            (self._step_for_input or self._step)(batch)
         except _ModelCalled as call:
             args, kwargs = call.args, call.kwargs
         else:

@@ -248,21 +248,18 @@ class ParallelStrategy(ModelParallelStrategy):
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        self._refuse_under_pipeline("trainer.test")
+        if self._pipeline_step is not None:
+            with self.precision_plugin.test_step_context(), self._loss_context():
+                return self._pipeline_step("test_step", args[0], args[1], train=False)
         with self._loss_context():
             return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        self._refuse_under_pipeline("trainer.predict")
-        return super().predict_step(*args, **kwargs)
-
-    def _refuse_under_pipeline(self, what: str) -> None:
         if self._pipeline_step is not None:
-            raise NotImplementedError(
-                f"{what} under pipeline parallelism is not in this lightdist release yet (trainer.fit and "
-                "trainer.validate are). Run it with pipeline_parallel_size=1: checkpoints load under any layout."
-            )
+            with self.precision_plugin.predict_step_context():
+                return self._pipeline_step.predict(args[0], args[1])
+        return super().predict_step(*args, **kwargs)
 
     def _loss_context(self) -> AbstractContextManager:
         return vocab_parallel_cross_entropy() if self._loss_parallel and self.layout.tp > 1 else nullcontext()

@@ -6,6 +6,7 @@ import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
+from torch.utils.data import DataLoader
 
 from lightdist.models import Llama, TokenDataModule
 from lightdist.plugins import ParallelStrategy
@@ -76,6 +77,47 @@ def fit_llama_pipeline(config: dict, strategy: dict) -> None:
 def test_pipelines_that_cannot_be_cut_or_fed(config: dict, strategy: dict, message: str) -> None:
     with pytest.raises(RuntimeError, match=message):
         run_ranks(2, fit_llama_pipeline, config, dict(pipeline_parallel_size=2, **strategy))
+
+
+class _KeywordBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, *, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states + self.proj(hidden_states)
+
+
+class _KeywordBlocksLM(LightningModule):
+    """Calls its blocks by keyword only, so a pipeline stage cannot hand them the previous stage's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+        self.layers = nn.ModuleList(_KeywordBlock() for _ in range(2))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.layers:
+            x = block(hidden_states=x)
+        return self.head(x)
+
+    def training_step(self, batch, batch_idx):
+        return self(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit_keyword_blocks_in_a_pipeline() -> None:
+    strategy = ParallelStrategy(pipeline_parallel_size=2)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False)
+    trainer.fit(_KeywordBlocksLM(), train_dataloaders=DataLoader(torch.zeros(4, 8, dtype=torch.long), batch_size=4))
+
+
+def test_pipeline_needs_blocks_that_take_the_hidden_states_first() -> None:
+    with pytest.raises(RuntimeError, match=r"calls its blocks by keyword only. Call them with the hidden states first"):
+        run_ranks(2, fit_keyword_blocks_in_a_pipeline)
 
 
 def test_unknown_strategy_name_is_named_in_the_error() -> None:

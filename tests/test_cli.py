@@ -128,3 +128,14 @@ def test_plan_rejects_a_split_that_does_not_divide(capsys: pytest.CaptureFixture
         main(["plan", "--model", "lightdist.models.Llama", "--tp", "3"])
     assert exit_info.value.code == 2
     assert "tensor_parallel_size=3 does not divide num_heads=4" in capsys.readouterr().err
+
+
+def test_plan_of_a_pipeline_alone_balances_an_8b_model(capsys: pytest.CaptureFixture) -> None:
+    main(["plan", "--model", "lightdist.models.Llama", "--init-args", '{"preset": "8b"}', "--pp", "4"])
+    assert capsys.readouterr().out.splitlines() == [
+        "Llama: 32 blocks in model.layers, pipeline_parallel_size=4",  # no tensor-parallel plan: none was asked for
+        "  stage 0: model.layers.0-6 + embeddings: 2,052,120,576 parameters",  # 7 blocks beside the embeddings
+        "  stage 1: model.layers.7-15: 1,963,008,000 parameters",
+        "  stage 2: model.layers.16-24: 1,963,008,000 parameters",
+        "  stage 3: model.layers.25-31 + norm and head: 2,052,124,672 parameters",
+    ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
+from torch.utils.data import DataLoader
 
 from lightdist.models import Llama, TokenDataModule
 from lightdist.pipeline import balanced_split
@@ -21,7 +22,8 @@ def test_stages_balance_parameters_counting_embeddings_and_head() -> None:
 
 
 def validate(strategy: dict | None, devices: int) -> tuple[dict[str, float], list[str]]:
-    """``trainer.validate`` of a freshly seeded tiny Llama; its metrics and the parameter names this rank holds."""
+    """``trainer.validate`` and ``trainer.test`` of a freshly seeded tiny Llama; their metrics and the parameter
+    names this rank holds."""
     seed_everything(1234)
     model = Llama("tiny")
     data = TokenDataModule(seq_len=32, batch_size=4, val_fraction=0.25, synthetic_tokens=16_384, shuffle=False)
@@ -34,18 +36,44 @@ def validate(strategy: dict | None, devices: int) -> tuple[dict[str, float], lis
         enable_model_summary=False,
     )
     (metrics,) = trainer.validate(model, datamodule=data)
-    return metrics, [name for name, _ in model.named_parameters()]
+    (tested,) = trainer.test(model, dataloaders=data.val_dataloader())
+    return {**metrics, **tested}, [name for name, _ in model.named_parameters()]
 
 
 @pytest.mark.multirank
-def test_validation_through_a_pipeline_matches_one_process() -> None:
+def test_validation_and_test_through_a_pipeline_match_one_process() -> None:
     (first, first_names), (last, last_names) = run_ranks(2, validate, dict(pipeline_parallel_size=2, microbatches=2), 2)
     ((single, _),) = run_ranks(1, validate, None, 1)
 
     torch.testing.assert_close(first["val_loss"], single["val_loss"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(first["test_loss"], single["test_loss"], rtol=1e-5, atol=0)
     assert first == last  # every stage reports the last stage's numbers
     # Each stage keeps its blocks under their own names: the first the embeddings, the last the norm and head.
     assert [name for name in first_names if ".layers." not in name] == ["model.embed_tokens.weight"]
     assert [name for name in last_names if ".layers." not in name] == ["model.norm.weight", "model.lm_head.weight"]
     assert {name.split(".")[2] for name in first_names + last_names if ".layers." in name} == {"0", "1", "2", "3"}
     assert not {name for name in first_names if ".layers." in name} & set(last_names)
+
+
+def predict(strategy: dict | None, devices: int) -> torch.Tensor:
+    seed_everything(1234)
+    tokens = torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(0))
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=ParallelStrategy(**strategy) if strategy else "auto",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    batches = trainer.predict(Llama("tiny"), dataloaders=DataLoader(tokens, batch_size=4))  # default step: self(batch)
+    return torch.cat(batches)
+
+
+@pytest.mark.multirank
+def test_predict_through_a_pipeline_matches_one_process() -> None:
+    first, last = run_ranks(2, predict, dict(pipeline_parallel_size=2, microbatches=2), 2)
+    (single,) = run_ranks(1, predict, None, 1)
+    assert single.shape[-1] == 64  # logits over the vocabulary, for every window and position
+    torch.testing.assert_close(last, single, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(first, last, rtol=0, atol=0)  # every stage returns the last stage's predictions
