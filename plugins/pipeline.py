@@ -52,7 +52,7 @@ class _ModelCalled(Exception):
 
 
 class PipelineStep:
-    """Runs one ``training_step``/``validation_step`` of ``module`` on this pipeline stage with ``schedule_class``."""
+    """Runs ``module``'s training, validation, test or predict step for one batch on this pipeline stage."""
 
     def __init__(
         self,
