@@ -21,13 +21,9 @@ def test_stages_balance_parameters_counting_embeddings_and_head() -> None:
     assert balanced_split([4, 1, 1, 1, 1], 2, last_extra=2) == [2, 3]
 
 
-def validate(strategy: dict | None, devices: int) -> tuple[dict[str, float], list[str]]:
-    """``trainer.validate`` and ``trainer.test`` of a freshly seeded tiny Llama; their metrics and the parameter
-    names this rank holds."""
-    seed_everything(1234)
-    model = Llama("tiny")
-    data = TokenDataModule(seq_len=32, batch_size=4, val_fraction=0.25, synthetic_tokens=16_384, shuffle=False)
-    trainer = Trainer(
+def quiet_trainer(strategy: dict | None, devices: int) -> Trainer:
+    """A ``ParallelStrategy`` with ``strategy``'s options, or a single process when it is ``None``."""
+    return Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=ParallelStrategy(**strategy) if strategy else "auto",
@@ -35,6 +31,15 @@ def validate(strategy: dict | None, devices: int) -> tuple[dict[str, float], lis
         enable_progress_bar=False,
         enable_model_summary=False,
     )
+
+
+def validate(strategy: dict | None, devices: int) -> tuple[dict[str, float], list[str]]:
+    """``trainer.validate`` and ``trainer.test`` of a freshly seeded tiny Llama; their metrics and the parameter
+    names this rank holds."""
+    seed_everything(1234)
+    model = Llama("tiny")
+    data = TokenDataModule(seq_len=32, batch_size=4, val_fraction=0.25, synthetic_tokens=16_384, shuffle=False)
+    trainer = quiet_trainer(strategy, devices)
     (metrics,) = trainer.validate(model, datamodule=data)
     (tested,) = trainer.test(model, dataloaders=data.val_dataloader())
     return {**metrics, **tested}, [name for name, _ in model.named_parameters()]
@@ -58,14 +63,7 @@ def test_validation_and_test_through_a_pipeline_match_one_process() -> None:
 def predict(strategy: dict | None, devices: int) -> torch.Tensor:
     seed_everything(1234)
     tokens = torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(0))
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=ParallelStrategy(**strategy) if strategy else "auto",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy, devices)
     batches = trainer.predict(Llama("tiny"), dataloaders=DataLoader(tokens, batch_size=4))  # default step: self(batch)
     return torch.cat(batches)
 
