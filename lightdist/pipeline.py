@@ -63,14 +63,19 @@ def balanced_split(costs: list[int], stages: int, *, first_extra: int = 0, last_
     return sizes[::-1]
 
 
-def stage_sizes(model: nn.Module, stack: DecoderStack, stages: int) -> list[int]:
-    """Blocks per stage for ``model``, balanced by parameters: embeddings weigh on the first, the rest on the last."""
+def stage_costs(model: nn.Module, stack: DecoderStack) -> tuple[list[int], int, int]:
+    """Parameters of each block, of the embeddings (on the first stage) and of the rest outside the stack (last)."""
     outside = [m for name, m in model.named_modules() if name and not stack.contains(name)]
     own = [(m, p.numel()) for m in outside for p in m.parameters(recurse=False)]
     embeddings = sum(n for m, n in own if isinstance(m, nn.Embedding))
     rest = sum(n for m, n in own if not isinstance(m, nn.Embedding))
-    costs = [sum(p.numel() for p in block.parameters()) for block in stack.blocks]
-    return balanced_split(costs, stages, first_extra=embeddings, last_extra=rest)
+    return [sum(p.numel() for p in block.parameters()) for block in stack.blocks], embeddings, rest
+
+
+def stage_sizes(model: nn.Module, stack: DecoderStack, stages: int) -> list[int]:
+    """Blocks per stage for ``model``, balanced by parameters: embeddings weigh on the first, the rest on the last."""
+    blocks, embeddings, rest = stage_costs(model, stack)
+    return balanced_split(blocks, stages, first_extra=embeddings, last_extra=rest)
 
 
 def tied_across_stages(module: nn.Module, stack: DecoderStack) -> list[tuple[str, str]]:

@@ -18,7 +18,7 @@ import torch
 import yaml
 from torch import nn
 
-from lightdist.pipeline import stage_sizes
+from lightdist.pipeline import stage_costs, stage_sizes
 from lightdist.structure import find_decoder_stack
 from lightdist.tensor_parallel import TensorParallelStyle, check_divisible, discover_plan, replicated_key_values
 
@@ -38,13 +38,11 @@ def format_stages(model: nn.Module, pp: int, split: list[int] | None = None) -> 
     """Which blocks each pipeline stage holds, and its parameters: the pipeline runs at its largest stage's pace."""
     stack = find_decoder_stack(model)
     sizes = split or stage_sizes(model, stack, pp)
-    outside = [m for name, m in model.named_modules() if name and not stack.contains(name)]
-    embeddings = sum(p.numel() for m in outside if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False))
-    rest = sum(p.numel() for m in outside if not isinstance(m, nn.Embedding) for p in m.parameters(recurse=False))
+    blocks, embeddings, rest = stage_costs(model, stack)
     lines = [f"{type(model).__name__}: {len(stack)} blocks in {stack.name}, pipeline_parallel_size={pp}"]
-    blocks, start = list(stack.blocks), 0
+    start = 0
     for index, size in enumerate(sizes):
-        params = sum(p.numel() for block in blocks[start : start + size] for p in block.parameters())
+        params = sum(blocks[start : start + size])
         first, last = index == 0, index == len(sizes) - 1
         params += (embeddings if first else 0) + (rest if last else 0)
         ends = (" + embeddings" if first else "") + (" + norm and head" if last else "")
