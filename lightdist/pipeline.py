@@ -14,7 +14,8 @@ as without a pipeline.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,9 +29,11 @@ __all__ = [
     "StageModel",
     "balanced_split",
     "clip_grad_norm_across_stages",
-    "keep_stage",
+    "keep_stages",
     "stage_sizes",
+    "stages_of_rank",
     "tied_across_stages",
+    "virtual_stages_of",
 ]
 
 
@@ -65,10 +68,9 @@ def balanced_split(costs: list[int], stages: int, *, first_extra: int = 0, last_
 
 def stage_costs(model: nn.Module, stack: DecoderStack) -> tuple[list[int], int, int]:
     """Parameters of each block, of the embeddings (on the first stage) and of the rest outside the stack (last)."""
-    outside = [m for name, m in model.named_modules() if name and not stack.contains(name)]
-    own = [(m, p.numel()) for m in outside for p in m.parameters(recurse=False)]
-    embeddings = sum(n for m, n in own if isinstance(m, nn.Embedding))
-    rest = sum(n for m, n in own if not isinstance(m, nn.Embedding))
+    ends = [(sum(p.numel() for p in m.parameters(recurse=False)), before) for _, m, before in _ends(model, stack)]
+    embeddings = sum(n for n, before_stack in ends if before_stack)
+    rest = sum(n for n, before_stack in ends if not before_stack)
     return [sum(p.numel() for p in block.parameters()) for block in stack.blocks], embeddings, rest
 
 
@@ -92,12 +94,35 @@ def tied_across_stages(module: nn.Module, stack: DecoderStack) -> list[tuple[str
 
 
 class _StageBlocks(nn.ModuleList):
-    """This stage's blocks under their original names; ``blocks[0]`` is the stage's first, as code expects."""
+    """This rank's blocks under their original names; ``blocks[0]`` is the stage's first, as code expects.
+
+    While a stage runs, iterating, indexing and ``len`` see that stage's blocks only: a rank holding several virtual
+    stages keeps all their blocks here, and the model's own loop must run one stage's share at a time.
+    """
+
+    _running: list[nn.Module] | None = None
+
+    def _visible(self) -> list[nn.Module]:
+        return self._running if self._running is not None else list(self._modules.values())
 
     def __getitem__(self, index: int | slice) -> nn.Module | nn.ModuleList:
         if isinstance(index, int):
-            return list(self._modules.values())[index]
-        return nn.ModuleList(list(self._modules.values())[index])
+            return self._visible()[index]
+        return nn.ModuleList(self._visible()[index])
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._visible())
+
+    def __len__(self) -> int:
+        return len(self._visible())
+
+    @contextmanager
+    def running(self, blocks: list[nn.Module]) -> Iterator[None]:
+        self._running = blocks
+        try:
+            yield
+        finally:
+            self._running = None
 
 
 class _EmbeddingPlaceholder(nn.Module):
@@ -118,23 +143,45 @@ class _PassThrough(nn.Module):
         return x
 
 
-def keep_stage(model: nn.Module, stack: DecoderStack, blocks: range, *, first: bool, last: bool) -> DecoderStack:
-    """Drop from ``model`` what another stage holds: other blocks, and the embeddings or the norm and head.
+def _ends(model: nn.Module, stack: DecoderStack) -> list[tuple[str, nn.Module, bool]]:
+    """Modules with parameters of their own outside the stack, and whether each belongs to the first stage.
 
-    Returns the stage's own stack.
+    Embeddings belong to the first stage; the rest (final norm, LM head) to the last.
+    """
+    return [
+        (name, module, isinstance(module, nn.Embedding))
+        for name, module in model.named_modules()
+        if name and not stack.contains(name) and any(True for _ in module.parameters(recurse=False))
+    ]
+
+
+def _stand_in(module: nn.Module) -> nn.Module:
+    return _EmbeddingPlaceholder(module.embedding_dim) if isinstance(module, nn.Embedding) else _PassThrough()
+
+
+def virtual_stages_of(schedule: str, virtual_stages: int | None = None) -> int:
+    """Stages per rank under ``schedule``: one for GPipe and 1F1B, else ``virtual_stages`` (default 2)."""
+    return 1 if schedule in ("gpipe", "1f1b") else virtual_stages or 2
+
+
+def stages_of_rank(rank: int, pp: int, virtual_stages: int) -> list[int]:
+    """The pipeline stages ``rank`` holds: every ``pp``-th one, as torch's looped schedules expect."""
+    return [rank + pp * k for k in range(virtual_stages)]
+
+
+def keep_stages(model: nn.Module, stack: DecoderStack, blocks: set[int], *, first: bool, last: bool) -> DecoderStack:
+    """Drop from ``model`` what other ranks hold: other blocks, and the embeddings or the norm and head.
+
+    ``first``/``last``: whether this rank holds the first/last stage. Returns the rank's own stack.
     """
     kept = _StageBlocks()
     kept._modules = {
         name: block for index, (name, block) in enumerate(stack.blocks.named_children()) if index in blocks
     }
     _set_submodule(model, stack.name, kept)
-    for name, module in list(model.named_modules()):
-        if not name or stack.contains(name):
-            continue
-        if not first and isinstance(module, nn.Embedding):
-            _set_submodule(model, name, _EmbeddingPlaceholder(module.embedding_dim))
-        elif not last and not isinstance(module, nn.Embedding) and any(True for _ in module.parameters(recurse=False)):
-            _set_submodule(model, name, _PassThrough())
+    for name, module, before_stack in _ends(model, stack):
+        if not (first if before_stack else last):
+            _set_submodule(model, name, _stand_in(module))
     return DecoderStack(stack.name, kept)
 
 
@@ -143,24 +190,46 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-class StageModel:
-    """Runs a model's forward as one pipeline stage: the first block takes the incoming activation (made a stream
-    tensor by ``as_stream``: sequence-parallel DTensors travel as their local shards), the last block's output leaves.
+class StageModel(nn.Module):
+    """One pipeline stage of ``model``: the module torch's ``PipelineStage`` runs, and FSDP's root for its share.
+
+    It owns the stage's blocks, and the embeddings (first stage) or the final norm and LM head (last stage). Its
+    forward is the model's own: the first block takes the incoming activation (made a stream tensor by ``as_stream``:
+    sequence-parallel DTensors travel as their local shards), the last block's output leaves. Other stages' blocks on
+    this rank sit out, and the ends another stage owns run as stand-ins without weights.
     """
 
-    def __init__(self, stack: DecoderStack, *, last: bool, as_stream: Callable[[Tensor], Tensor] = lambda x: x) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        stack: DecoderStack,
+        blocks: list[nn.Module],
+        *,
+        first: bool,
+        last: bool,
+        as_stream: Callable[[Tensor], Tensor] = lambda x: x,
+    ) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        ends = _ends(model, stack)
+        self.ends = nn.ModuleList(module for _, module, before_stack in ends if (first if before_stack else last))
         self.last, self.as_stream = last, as_stream
+        # Not submodules: the stage owns only its share of the model.
+        self.__dict__["model"], self.__dict__["stack"] = model, stack.blocks
+        self._stand_ins = {
+            name: _stand_in(module) for name, module, before_stack in ends if not (first if before_stack else last)
+        }
         self._incoming: Tensor | None = None
         self._outgoing: Tensor | None = None
-        blocks = list(stack.blocks)
         blocks[0].register_forward_pre_hook(self._take_incoming, with_kwargs=True)
         blocks[-1].register_forward_hook(self._keep_outgoing)
 
-    def forward(self, forward: Callable[..., Any], model_input: Tensor, *incoming: Tensor) -> Any:
-        """``forward(model_input)`` as this stage: ``incoming`` is the previous stage's output, if any."""
+    def forward(self, *incoming: Tensor, lightdist_model_input: Tensor) -> Any:
+        """The model's forward on ``lightdist_model_input`` as this stage; ``incoming``: the previous stage's output."""
         self._incoming = incoming[0] if incoming else None
         try:
-            output = forward(model_input)
+            with self.stack.running(list(self.blocks)), self._standing_in():
+                output = type(self.model).forward(self.model, lightdist_model_input)
         finally:
             self._incoming = None
         if not self.last:
@@ -169,6 +238,18 @@ class StageModel:
                 output = output.to_local()
         # A view (to_local's, a head's) would let an in-place op drop FSDP's pre-backward hook on the stage.
         return output.clone() if isinstance(output, Tensor) and output._base is not None else output
+
+    @contextmanager
+    def _standing_in(self) -> Iterator[None]:
+        """The ends this rank holds for another of its stages, swapped for stand-ins while this stage runs."""
+        owned = {name: self.model.get_submodule(name) for name in self._stand_ins}
+        for name, stand_in in self._stand_ins.items():
+            _set_submodule(self.model, name, stand_in)
+        try:
+            yield
+        finally:
+            for name, module in owned.items():
+                _set_submodule(self.model, name, module)
 
     def _take_incoming(self, block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self._incoming is None:

@@ -18,7 +18,7 @@ import torch
 import yaml
 from torch import nn
 
-from lightdist.pipeline import stage_costs, stage_sizes
+from lightdist.pipeline import stage_costs, stage_sizes, stages_of_rank, virtual_stages_of
 from lightdist.structure import find_decoder_stack
 from lightdist.tensor_parallel import TensorParallelStyle, check_divisible, discover_plan, replicated_key_values
 
@@ -34,19 +34,34 @@ def _split_shape(shape: tuple[int, ...], style: TensorParallelStyle, tp: int) ->
     return shape
 
 
-def format_stages(model: nn.Module, pp: int, split: list[int] | None = None) -> str:
-    """Which blocks each pipeline stage holds, and its parameters: the pipeline runs at its largest stage's pace."""
+def format_stages(
+    model: nn.Module,
+    pp: int,
+    split: list[int] | None = None,
+    *,
+    schedule: str = "1f1b",
+    virtual_stages: int | None = None,
+) -> str:
+    """Which blocks each pipeline stage holds, and its parameters: the pipeline runs at its largest stage's pace.
+
+    Under the interleaved and zero-bubble schedules each rank holds several stages; the rank is shown beside each.
+    """
     stack = find_decoder_stack(model)
-    sizes = split or stage_sizes(model, stack, pp)
+    virtual = virtual_stages_of(schedule, virtual_stages)
+    sizes = split or stage_sizes(model, stack, pp * virtual)
     blocks, embeddings, rest = stage_costs(model, stack)
-    lines = [f"{type(model).__name__}: {len(stack)} blocks in {stack.name}, pipeline_parallel_size={pp}"]
+    header = f"{type(model).__name__}: {len(stack)} blocks in {stack.name}, pipeline_parallel_size={pp}"
+    lines = [header + (f", virtual_stages={virtual} ({schedule})" if virtual > 1 else "")]
+    rank_of = {s: r for r in range(pp) for s in stages_of_rank(r, pp, virtual)}
     start = 0
     for index, size in enumerate(sizes):
         params = sum(blocks[start : start + size])
         first, last = index == 0, index == len(sizes) - 1
         params += (embeddings if first else 0) + (rest if last else 0)
         ends = (" + embeddings" if first else "") + (" + norm and head" if last else "")
-        lines.append(f"  stage {index}: {stack.name}.{start}-{start + size - 1}{ends}: {params:,} parameters")
+        held = f"{stack.name}.{start}" + (f"-{start + size - 1}" if size > 1 else "")
+        stage = f"stage {index}" + (f" on rank {rank_of[index]}" if virtual > 1 else "")
+        lines.append(f"  {stage}: {held}{ends}: {params:,} parameters")
         start += size
     return "\n".join(lines)
 
@@ -87,10 +102,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--init-args", default="{}", help="JSON keyword arguments for the model class")
     parser.add_argument("--tp", type=int, help="tensor_parallel_size (default: the config's, else 2)")
     parser.add_argument("--pp", type=int, help="pipeline_parallel_size (default: the config's, else 1)")
+    parser.add_argument("--schedule", help="pipeline_schedule (default: the config's, else 1f1b)")
+    parser.add_argument("--virtual-stages", type=int, help="stages per rank of interleaved and zero-bubble schedules")
     args = parser.parse_args(argv)
 
     class_path, init_args, tp, tp_plan = args.model, json.loads(args.init_args), args.tp, None
-    pp, split = args.pp, None
+    pp, split, schedule, virtual_stages = args.pp, None, args.schedule, args.virtual_stages
     if args.config is not None:
         config = yaml.safe_load(args.config.read_text())
         class_path = class_path or config["model"]["class_path"]
@@ -99,6 +116,8 @@ def main(argv: list[str]) -> None:
         tp = tp or strategy.get("tensor_parallel_size")
         tp_plan = strategy.get("tp_plan")
         pp, split = pp or strategy.get("pipeline_parallel_size"), strategy.get("pipeline_split")
+        schedule = schedule or strategy.get("pipeline_schedule")
+        virtual_stages = virtual_stages or strategy.get("virtual_stages")
     if class_path is None:
         parser.error("name the model with --model or --config.")
     try:
@@ -106,6 +125,6 @@ def main(argv: list[str]) -> None:
         if tp is not None or pp is None:  # nothing asked for: the tensor-parallel plan at tp=2
             print(format_plan(model, tp or 2, tp_plan))
         if (pp or 1) > 1:
-            print(format_stages(model, pp, split))
+            print(format_stages(model, pp, split, schedule=schedule or "1f1b", virtual_stages=virtual_stages))
     except ValueError as error:
         parser.exit(2, f"lightdist plan: {error}\n")

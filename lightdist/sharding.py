@@ -15,7 +15,7 @@ gradients.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any, Literal
 
@@ -28,8 +28,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightdist.structure import DecoderStack
-
 __all__ = ["ShardedOptimizer", "ZeroStage", "apply_data_parallel"]
 
 ZeroStage = Literal[0, 1, 2, 3]
@@ -37,14 +35,14 @@ ZeroStage = Literal[0, 1, 2, 3]
 
 def apply_data_parallel(
     root: nn.Module,
-    stack: DecoderStack,
+    blocks: Iterable[nn.Module],
     dp_mesh: DeviceMesh,
     *,
     zero_stage: ZeroStage,
     param_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
 ) -> None:
-    """Make ``root`` data parallel over ``dp_mesh``, sharding as much as ``zero_stage`` asks.
+    """Make ``root`` data parallel over ``dp_mesh``, sharding as much as ``zero_stage`` asks, one unit per block.
 
     ``param_dtype`` is the compute dtype of FSDP2's mixed precision; gradients are always reduced in fp32.
     """
@@ -59,7 +57,7 @@ def apply_data_parallel(
             mp_policy=mp_policy,
             offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
         )
-    for block in stack.blocks:
+    for block in blocks:
         wrap(block)
     wrap(root)
 

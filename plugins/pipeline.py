@@ -24,10 +24,8 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
-
-from lightdist.pipeline import StageModel
 
 __all__ = ["PipelineStep", "TiedGradients"]
 
@@ -52,31 +50,31 @@ class _ModelCalled(Exception):
 
 
 class PipelineStep:
-    """Runs ``module``'s training, validation, test or predict step for one batch on this pipeline stage."""
+    """Runs ``module``'s training, validation, test or predict step for one batch on this rank's pipeline stages."""
 
     def __init__(
         self,
         module: LightningModule,
-        stage: StageModel,
-        pipeline_stage: PipelineStage,
-        schedule_class: type[PipelineScheduleSingle],
+        stages: list[PipelineStage],
+        schedule_class: type[PipelineScheduleSingle | PipelineScheduleMulti],
         microbatches: int,
         *,
         tied: TiedGradients | None = None,
     ) -> None:
-        self.module, self.stage, self.microbatches, self.tied = module, stage, microbatches, tied
-        self.pp_group, self.last = pipeline_stage.group, pipeline_stage.is_last
+        self.module, self.microbatches, self.tied = module, microbatches, tied
+        self.pp_group, self.last = stages[0].group, any(stage.is_last for stage in stages)
+        self._last_stage = dist.get_world_size(self.pp_group) - 1  # the last stage is on the pp group's last rank
         # The schedule's own scaling divides every gradient by the microbatch count after each step, also those
         # accumulated over earlier batches; scaling each microbatch's loss instead keeps accumulation exact.
+        single = issubclass(schedule_class, PipelineScheduleSingle)
         self.schedule = schedule_class(
-            pipeline_stage, n_microbatches=microbatches, loss_fn=self.loss, scale_grads=False
+            stages[0] if single else stages, n_microbatches=microbatches, loss_fn=self.loss, scale_grads=False
         )
         self._step: Callable[..., Any] | None = None  # the user's step, per microbatch, as the loss
         self._step_for_input: Callable[..., Any] | None = None  # the step run only to learn the model's input
         self._logged: dict[str, list] = defaultdict(list)
         self._log_options: dict[str, dict] = {}
         self._loss_scale = 1.0
-        self._last_stage = dist.get_world_size(self.pp_group) - 1  # the pp group's ranks are in stage order
 
     def __call__(self, step_name: str, batch: Any, batch_idx: int, *, train: bool, loss_scale: float = 1.0) -> Tensor:
         """The step's mean loss over the batch. Backward runs on each microbatch's loss divided by the number of
@@ -118,10 +116,6 @@ class PipelineStep:
                 f"microbatches={self.microbatches} does not divide the batch of {model_input.shape[0]} on each "
                 "data-parallel rank. Choose microbatches that divide the per-rank batch size."
             )
-        original_forward = type(self.module).forward.__get__(self.module)
-        self.module.forward = lambda *incoming, lightdist_model_input: self.stage.forward(
-            original_forward, lightdist_model_input, *incoming
-        )
         try:
             return run(
                 lightdist_model_input=model_input,
@@ -130,7 +124,6 @@ class PipelineStep:
                 return_outputs=return_outputs,
             )
         finally:
-            del self.module.forward
             self._step = self._step_for_input = None
 
     def sum_tied_gradients(self) -> None:
@@ -142,14 +135,12 @@ class PipelineStep:
         """The schedule's ``loss_fn`` on the last stage: the user's step, its model call answered with ``output``."""
         if self._step is None:  # predicting: the schedule computes outputs only
             return torch.zeros((), device=self.module.device)
-        stage_forward = self.module.forward
         self.module.forward = lambda *args, **kwargs: output
         self.module.log = self._record_log
         try:
             result = self._step(microbatch)
         finally:
-            self.module.forward = stage_forward
-            del self.module.log
+            del self.module.forward, self.module.log
         return (result["loss"] if isinstance(result, Mapping) else result) * self._loss_scale
 
     def _model_input(self, batch: Any) -> Tensor:

@@ -29,7 +29,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -37,7 +43,15 @@ from typing_extensions import override
 from lightdist.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
 from lightdist.layout import ParallelLayout
 from lightdist.loss_parallel import vocab_parallel_cross_entropy
-from lightdist.pipeline import StageModel, clip_grad_norm_across_stages, keep_stage, stage_sizes, tied_across_stages
+from lightdist.pipeline import (
+    StageModel,
+    clip_grad_norm_across_stages,
+    keep_stages,
+    stage_sizes,
+    stages_of_rank,
+    tied_across_stages,
+    virtual_stages_of,
+)
 from lightdist.plugins.pipeline import PipelineStep, TiedGradients
 from lightdist.sharding import ShardedOptimizer, ZeroStage, apply_data_parallel
 from lightdist.structure import DecoderStack, find_decoder_stack
@@ -86,10 +100,17 @@ class ParallelStrategy(ModelParallelStrategy):
         zero_stage: What data-parallel ranks shard: 0 nothing (DDP), 1 optimizer state, 2 also gradients,
             3 also parameters.
         pipeline_schedule: The schedule that runs microbatches through the pipeline stages: ``"gpipe"`` (all
-            forwards, then all backwards) or ``"1f1b"`` (at most ``pipeline_parallel_size`` microbatches in flight).
+            forwards, then all backwards), ``"1f1b"`` (at most ``pipeline_parallel_size`` microbatches in flight),
+            ``"interleaved_1f1b"`` (each rank holds ``virtual_stages`` stages, which shrinks the bubble that many
+            times), ``"zero_bubble"`` (interleaved, with each backward split into its input and weight halves so the
+            weight halves fill the bubble). ``"zbv"`` is refused: torch's V-shaped schedules cannot run forward-only,
+            so validation and predict would fail.
+        virtual_stages: Stages each pipeline rank holds under the interleaved and zero-bubble schedules (default 2);
+            stage ``s`` lives on rank ``s % pipeline_parallel_size``.
         microbatches: Microbatches each data-parallel rank's batch is cut into under a pipeline (default:
             ``pipeline_parallel_size``); more shrink the pipeline's idle bubble.
-        pipeline_split: Decoder blocks per pipeline stage, e.g. ``[7, 9]``; default: balanced by parameter count,
+        pipeline_split: Decoder blocks per pipeline stage, e.g. ``[7, 9]`` (``pipeline_parallel_size *
+            virtual_stages`` entries); default: balanced by parameter count,
             counting the embeddings on the first stage and the norm and LM head on the last.
         activation_checkpointing: Recompute each block's activations in backward: ``"full"``, ``"selective"``
             (keep matmul and attention outputs) or ``None``.
@@ -112,6 +133,7 @@ class ParallelStrategy(ModelParallelStrategy):
         pipeline_parallel_size: int = 1,
         zero_stage: ZeroStage = 3,
         pipeline_schedule: PipelineSchedule = "1f1b",
+        virtual_stages: int | None = None,
         microbatches: int | None = None,
         pipeline_split: list[int] | None = None,
         activation_checkpointing: ActivationCheckpointing | None = None,
@@ -127,6 +149,7 @@ class ParallelStrategy(ModelParallelStrategy):
             pipeline_parallel_size=pipeline_parallel_size,
             zero_stage=zero_stage,
             pipeline_schedule=pipeline_schedule,
+            virtual_stages=virtual_stages,
             microbatches=microbatches,
             activation_checkpointing=activation_checkpointing,
             cpu_offload=cpu_offload,
@@ -139,6 +162,7 @@ class ParallelStrategy(ModelParallelStrategy):
         self._pipeline_parallel_size = pipeline_parallel_size
         self._zero_stage = zero_stage
         self._pipeline_schedule = pipeline_schedule
+        self._virtual_stages = virtual_stages_of(pipeline_schedule, virtual_stages)
         self._microbatches = microbatches
         self._pipeline_split = pipeline_split
         self._pipeline_step: PipelineStep | None = None
@@ -267,7 +291,13 @@ class ParallelStrategy(ModelParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip the gradient all-reduce / reduce-scatter on the non-final steps of gradient accumulation."""
+        """Skip the gradient all-reduce / reduce-scatter on the non-final steps of gradient accumulation.
+
+        Under a pipeline the schedule decides: it reduces the gradients once, after each batch's last microbatch.
+        """
+        if self._pipeline_step is not None:
+            yield
+            return
         self.model.set_requires_gradient_sync(False)
         try:
             yield
@@ -378,9 +408,9 @@ class ParallelStrategy(ModelParallelStrategy):
         stack = find_decoder_stack(module)
         # The plan is found on the whole model, where the embedding and the head it splits by vocabulary are both seen.
         plan = discover_plan(module, stack, tp_plan=self._tp_plan) if self.layout.tp > 1 else {}
-        stage = None
+        stages: list[StageModel] = []
         if self.layout.pp > 1:
-            stack, stage = self._cut_pipeline_stage(module, stack)
+            stack, stages = self._cut_pipeline_stages(module, stack)
             plan = {name: style for name, style in plan.items() if _holds_parameters(module, name)}
         if self.layout.tp > 1:
             apply_tensor_parallel(
@@ -393,24 +423,30 @@ class ParallelStrategy(ModelParallelStrategy):
             )
         if self._activation_checkpointing is not None:
             apply_activation_checkpointing(stack, mode=self._activation_checkpointing)
-        root = _ParallelRoot(module)
-        apply_data_parallel(
-            root,
-            stack,
-            self.device_mesh["dp"],
-            zero_stage=self._zero_stage,
+        shard = partial(
+            apply_data_parallel,
+            dp_mesh=self.device_mesh["dp"],
             param_dtype=self._mixed_precision_compute_dtype(),
             cpu_offload=self._cpu_offload,
         )
-        if stage is not None:
+        root = _ParallelRoot(module)
+        if not stages:
+            shard(root, stack.blocks, zero_stage=self._zero_stage)
+        else:
+            # Each stage is its own FSDP root, as the schedules expect: they gather, reshard and reduce per stage.
+            # ZeRO-3 gathers a stage's parameters once per step, not once per microbatch (torchtitan's policy under a
+            # pipeline); resharding after each forward also gives zero-bubble schedules wrong weight gradients.
+            for stage in stages:
+                shard(stage, stage.blocks, zero_stage=min(self._zero_stage, 2))
             pp_mesh = self.device_mesh["pp"]
-            pipeline_stage = PipelineStage(
-                root, pp_mesh.get_local_rank(), pp_mesh.size(), self.root_device, group=pp_mesh.get_group()
-            )
             self._pipeline_step = PipelineStep(
                 module,
-                stage,
-                pipeline_stage,
+                [
+                    PipelineStage(
+                        stage, index, self.layout.pp * self._virtual_stages, self.root_device, group=pp_mesh.get_group()
+                    )
+                    for stage, index in zip(stages, self._stages_of_this_rank(), strict=True)
+                ],
                 _SCHEDULES[self._pipeline_schedule],
                 self._microbatches or self.layout.pp,
                 tied=self._tied_across_stages(module),
@@ -418,28 +454,50 @@ class ParallelStrategy(ModelParallelStrategy):
         self._parallel_root = root
         return root
 
-    def _cut_pipeline_stage(self, module: pl.LightningModule, stack: DecoderStack) -> tuple[DecoderStack, StageModel]:
-        """Keep this rank's stage of ``module``: its blocks, and the embeddings or the norm and head."""
-        pp, index = self.layout.pp, self.device_mesh["pp"].get_local_rank()
-        if pp > len(stack):
+    def _cut_pipeline_stages(
+        self, module: pl.LightningModule, stack: DecoderStack
+    ) -> tuple[DecoderStack, list[StageModel]]:
+        """Keep this rank's stages of ``module``: their blocks, and the embeddings or the norm and head."""
+        pp = self.layout.pp
+        count = pp * self._virtual_stages
+        if count > len(stack):
+            stages = f"pipeline_parallel_size={pp}"
+            if self._virtual_stages > 1:
+                stages += f" x virtual_stages={self._virtual_stages} = {count} stages"
             raise ValueError(
-                f"pipeline_parallel_size={pp} exceeds the {len(stack)} blocks of {stack.name}: every stage needs at "
-                f"least one. Choose pipeline_parallel_size<={len(stack)}."
+                f"{stages} exceeds the {len(stack)} blocks of {stack.name}: every stage needs at least one. Choose "
+                f"fewer stages, at most {len(stack)}."
             )
-        sizes = self._pipeline_split or stage_sizes(module, stack, pp)
-        if len(sizes) != pp or sum(sizes) != len(stack) or min(sizes) < 1:
+        sizes = self._pipeline_split or stage_sizes(module, stack, count)
+        if len(sizes) != count or sum(sizes) != len(stack) or min(sizes) < 1:
             raise ValueError(
-                f"pipeline_split={sizes} must give each of the {pp} stages at least one block, {len(stack)} in all."
+                f"pipeline_split={sizes} must give each of the {count} stages at least one block, {len(stack)} in all."
             )
         self._tied_names = tied_across_stages(module, stack)
-        start = sum(sizes[:index])
-        first, last = index == 0, index == pp - 1
-        stack = keep_stage(module, stack, range(start, start + sizes[index]), first=first, last=last)
+        indices = self._stages_of_this_rank()
+        ranges = {index: range(sum(sizes[:index]), sum(sizes[: index + 1])) for index in indices}
+        first, last = 0 in indices, count - 1 in indices
+        stack = keep_stages(module, stack, {block for r in ranges.values() for block in r}, first=first, last=last)
+        blocks_by_index = dict(zip(sorted(b for r in ranges.values() for b in r), stack.blocks, strict=True))
         as_stream = _identity
         if self.layout.tp > 1 and self._sequence_parallel:
             tp_mesh = self.device_mesh["tp"]
             as_stream = partial(DTensor.from_local, device_mesh=tp_mesh, placements=[Shard(1)], run_check=False)
-        return stack, StageModel(stack, last=last, as_stream=as_stream)
+        stages = [
+            StageModel(
+                module,
+                stack,
+                [blocks_by_index[block] for block in ranges[index]],
+                first=index == 0,
+                last=index == count - 1,
+                as_stream=as_stream,
+            )
+            for index in indices
+        ]
+        return stack, stages
+
+    def _stages_of_this_rank(self) -> list[int]:
+        return stages_of_rank(self.device_mesh["pp"].get_local_rank(), self.layout.pp, self._virtual_stages)
 
     def _clip_grad_norm_across_stages(self, optimizer: Optimizer, clip_val: float) -> None:
         tied = self._pipeline_step.tied
@@ -477,7 +535,12 @@ class ParallelStrategy(ModelParallelStrategy):
         self.optimizers = [ShardedOptimizer(optimizer, self.device_mesh["dp"]) for optimizer in self.optimizers]
 
 
-_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+_SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+}
 
 
 def _identity(x: Tensor) -> Tensor:
@@ -498,6 +561,7 @@ def _validate_options(
     pipeline_parallel_size: int,
     zero_stage: int,
     pipeline_schedule: str,
+    virtual_stages: int | None,
     microbatches: int | None,
     activation_checkpointing: str | None,
     cpu_offload: bool,
@@ -519,6 +583,26 @@ def _validate_options(
         )
     if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
         raise ValueError(f"microbatches={microbatches!r} must be a positive integer or None.")
+    if virtual_stages is not None:
+        if not isinstance(virtual_stages, int) or virtual_stages < 1:
+            raise ValueError(f"virtual_stages={virtual_stages!r} must be a positive integer or None.")
+        if pipeline_schedule in ("gpipe", "1f1b") and virtual_stages > 1:
+            raise ValueError(
+                f"pipeline_schedule={pipeline_schedule!r} runs one stage per rank, but virtual_stages={virtual_stages}."
+                " Use pipeline_schedule='interleaved_1f1b' or 'zero_bubble' for several stages per rank."
+            )
+    if (
+        pipeline_schedule in ("interleaved_1f1b", "zero_bubble")
+        and microbatches is not None
+        and pipeline_parallel_size > 1
+    ):
+        rounds = max(1, microbatches // pipeline_parallel_size)
+        if microbatches % rounds:
+            raise ValueError(
+                f"pipeline_schedule={pipeline_schedule!r} runs microbatches in rounds of pipeline_parallel_size="
+                f"{pipeline_parallel_size}, so microbatches={microbatches} must be a multiple of {rounds} rounds. "
+                f"Choose a multiple of {pipeline_parallel_size}."
+            )
     if activation_checkpointing not in (None, "full", "selective"):
         raise ValueError(
             f"activation_checkpointing={activation_checkpointing!r} is not one of None, 'full', 'selective'."
@@ -528,8 +612,9 @@ def _validate_options(
             f"cpu_offload=True needs sharded parameters and gradients, but zero_stage={zero_stage}. "
             "Use zero_stage=2 or 3 with cpu_offload."
         )
-    if pipeline_parallel_size > 1 and pipeline_schedule not in _SCHEDULES:
+    if pipeline_schedule == "zbv":
         raise NotImplementedError(
-            f"pipeline_schedule={pipeline_schedule!r} is not in this lightdist release yet (interleaved and "
-            f"zero-bubble schedules are being built). Use one of {', '.join(_SCHEDULES)}."
+            "pipeline_schedule='zbv' is not offered: torch's V-shaped schedule cannot run forward-only (its eval "
+            "passes a backward between the two stages of a rank), so validation and predict would fail. Use "
+            "pipeline_schedule='zero_bubble', the interleaved zero-bubble schedule."
         )

@@ -34,5 +34,8 @@ def test_pipeline_bubble_benchmark_counts_microbatches_in_flight(tmp_path: Path)
     )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {tuple(line.split()[:3]): line.split()[-1] for line in run.stdout.splitlines() if line.startswith(" 2 ")}
-    # GPipe holds every microbatch's activations before the first backward; 1F1B at most one per stage.
-    assert rows == {("2", "1f1b", "4"): "2", ("2", "gpipe", "4"): "4"}
+    # GPipe holds every microbatch's activations before the first backward; 1F1B at most one per stage; every
+    # schedule runs, two stages per rank under the interleaved and zero-bubble ones.
+    assert rows[("2", "gpipe", "4")] == "4.0"
+    assert rows[("2", "1f1b", "4")] == "2.0"
+    assert {schedule for _, schedule, _ in rows} == {"gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"}

@@ -139,3 +139,14 @@ def test_plan_of_a_pipeline_alone_balances_an_8b_model(capsys: pytest.CaptureFix
         "  stage 2: model.layers.16-24: 1,963,008,000 parameters",
         "  stage 3: model.layers.25-31 + norm and head: 2,052,124,672 parameters",
     ]
+
+
+def test_plan_shows_which_rank_holds_each_interleaved_stage(capsys: pytest.CaptureFixture) -> None:
+    main(["plan", "--model", "lightdist.models.Llama", "--pp", "2", "--schedule", "interleaved_1f1b"])
+    assert capsys.readouterr().out.splitlines() == [
+        "Llama: 4 blocks in model.layers, pipeline_parallel_size=2, virtual_stages=2 (interleaved_1f1b)",
+        "  stage 0 on rank 0: model.layers.0 + embeddings: 50,304 parameters",
+        "  stage 1 on rank 1: model.layers.1: 46,208 parameters",
+        "  stage 2 on rank 0: model.layers.2: 46,208 parameters",
+        "  stage 3 on rank 1: model.layers.3 + norm and head: 50,368 parameters",
+    ]

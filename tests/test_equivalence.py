@@ -43,6 +43,15 @@ CASES = {
         # the embedding on the first stage and the LM head on the last share one weight
         "pp2_gpt2_tied_clip": Case(strategy=dict(PP2, microbatches=4), model="gpt2", gradient_clip_val=0.1),
         "pp2_hf_llama": Case(strategy=dict(PP2), model="hf_llama"),
+        # two virtual stages per rank: rank 0 holds blocks 0 and 2, rank 1 blocks 1 and 3
+        "pp2_interleaved_1f1b_clip": Case(
+            strategy=dict(PP2, pipeline_schedule="interleaved_1f1b", microbatches=4), gradient_clip_val=0.1
+        ),
+        "pp2_zero_bubble_gpt2_tied_accumulate": Case(
+            strategy=dict(PP2, pipeline_schedule="zero_bubble", microbatches=4),
+            model="gpt2_no_bias",
+            accumulate_grad_batches=2,
+        ),
     },
     4: {
         "zero0": Case(strategy=dict(zero_stage=0)),
@@ -66,13 +75,20 @@ CASES = {
         "tp2_dp2_zero0_accumulate": Case(strategy=dict(TP2, zero_stage=0), accumulate_grad_batches=2),
         "tp2_dp2_zero1_clip": Case(strategy=dict(TP2, zero_stage=1), gradient_clip_val=0.1),
         "pp2_dp2_zero3_full_checkpointing": Case(strategy=dict(PP2, activation_checkpointing="full")),
-        "pp2_tp2_sequence_parallel_clip": Case(strategy=dict(PP2, **TP2), gradient_clip_val=0.1),
+        "pp2_tp2_sequence_parallel_zero_bubble_clip": Case(
+            strategy=dict(PP2, **TP2, pipeline_schedule="zero_bubble", microbatches=4), gradient_clip_val=0.1
+        ),
+        "pp2_dp2_interleaved_1f1b_zero3": Case(
+            strategy=dict(PP2, pipeline_schedule="interleaved_1f1b", microbatches=4)
+        ),
         "pp2_dp2_hf_llama_zero1": Case(strategy=dict(PP2, zero_stage=1, microbatches=4), model="hf_llama"),
     },
     8: {  # 3D: pp=2 x dp=2 x tp=2
         "3d_clip": Case(strategy=dict(PP2, **TP2), gradient_clip_val=0.1),
-        "3d_gpt2_fused_qkv_tied_clip": Case(
-            strategy=dict(PP2, **TP2, microbatches=4), model="gpt2_no_bias", gradient_clip_val=0.1
+        "3d_gpt2_interleaved_fused_qkv_tied_clip": Case(
+            strategy=dict(PP2, **TP2, pipeline_schedule="interleaved_1f1b", microbatches=4),
+            model="gpt2_no_bias",
+            gradient_clip_val=0.1,
         ),
         "3d_hf_llama": Case(strategy=dict(PP2, **TP2), model="hf_llama"),
     },

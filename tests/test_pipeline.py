@@ -46,8 +46,10 @@ def validate(strategy: dict | None, devices: int) -> tuple[dict[str, float], lis
 
 
 @pytest.mark.multirank
-def test_validation_and_test_through_a_pipeline_match_one_process() -> None:
-    (first, first_names), (last, last_names) = run_ranks(2, validate, dict(pipeline_parallel_size=2, microbatches=2), 2)
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_validation_and_test_through_a_pipeline_match_one_process(schedule: str) -> None:
+    strategy = dict(pipeline_parallel_size=2, pipeline_schedule=schedule, microbatches=2)
+    (first, first_names), (last, last_names) = run_ranks(2, validate, strategy, 2)
     ((single, _),) = run_ranks(1, validate, None, 1)
 
     torch.testing.assert_close(first["val_loss"], single["val_loss"], rtol=1e-5, atol=0)
@@ -56,8 +58,10 @@ def test_validation_and_test_through_a_pipeline_match_one_process() -> None:
     # Each stage keeps its blocks under their own names: the first the embeddings, the last the norm and head.
     assert [name for name in first_names if ".layers." not in name] == ["model.embed_tokens.weight"]
     assert [name for name in last_names if ".layers." not in name] == ["model.norm.weight", "model.lm_head.weight"]
-    assert {name.split(".")[2] for name in first_names + last_names if ".layers." in name} == {"0", "1", "2", "3"}
-    assert not {name for name in first_names if ".layers." in name} & set(last_names)
+    blocks = {name.split(".")[2] for name in first_names if ".layers." in name}
+    # Interleaved: each rank holds two stages, every other block; otherwise the first half.
+    assert blocks == ({"0", "2"} if schedule == "interleaved_1f1b" else {"0", "1"})
+    assert {name.split(".")[2] for name in last_names if ".layers." in name} == {"0", "1", "2", "3"} - blocks
 
 
 def predict(strategy: dict | None, devices: int) -> torch.Tensor:
@@ -70,8 +74,9 @@ def predict(strategy: dict | None, devices: int) -> torch.Tensor:
 
 @pytest.mark.multirank
 def test_predict_through_a_pipeline_matches_one_process() -> None:
-    first, last = run_ranks(2, predict, dict(pipeline_parallel_size=2, microbatches=2), 2)
+    strategy = dict(pipeline_parallel_size=2, pipeline_schedule="zero_bubble", microbatches=2)  # 2 stages per rank
+    first, last = run_ranks(2, predict, strategy, 2)
     (single,) = run_ranks(1, predict, None, 1)
     assert single.shape[-1] == 64  # logits over the vocabulary, for every window and position
     torch.testing.assert_close(last, single, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(first, last, rtol=0, atol=0)  # every stage returns the last stage's predictions
+    torch.testing.assert_close(first, last, rtol=0, atol=0)  # every rank returns the last stage's predictions
