@@ -224,12 +224,14 @@ class StageModel(nn.Module):
         blocks[0].register_forward_pre_hook(self._take_incoming, with_kwargs=True)
         blocks[-1].register_forward_hook(self._keep_outgoing)
 
-    def forward(self, *incoming: Tensor, lightdist_model_input: Tensor) -> Any:
-        """The model's forward on ``lightdist_model_input`` as this stage; ``incoming``: the previous stage's output."""
+    def forward(self, *incoming: Tensor, lightdist_model_call: tuple[tuple, dict]) -> Any:
+        """The model's forward on ``lightdist_model_call``'s arguments as this stage; ``incoming``: the previous
+        stage's output."""
         self._incoming = incoming[0] if incoming else None
+        args, kwargs = lightdist_model_call
         try:
             with self.stack.running(list(self.blocks)), self._standing_in():
-                output = type(self.model).forward(self.model, lightdist_model_input)
+                output = type(self.model).forward(self.model, *args, **kwargs)
         finally:
             self._incoming = None
         if not self.last:

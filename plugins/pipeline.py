@@ -3,9 +3,10 @@
 Lightning calls ``training_step`` once per batch and expects it to return the loss. Under a pipeline the batch is cut
 into microbatches that flow through the stages, and only the last stage sees outputs. So each step:
 
-1. runs the user's step until it calls the model, to learn the model's input (the token ids), on every stage;
-2. runs torch's schedule: the first stage feeds that input, the last stage calls the user's step once per microbatch
-   with the stage output in place of the model call, which makes the step's own label shifting and masking the loss;
+1. runs the user's step until it calls the model, to learn the model's arguments, on every stage;
+2. runs torch's schedule: every stage runs the model's forward on those arguments (later stages swap in the
+   received activation), and the last stage calls the user's step once per microbatch with the stage output in place
+   of the model call, which makes the step's own label shifting and masking the loss;
 3. replays on every rank what the step logged (the mean over microbatches, as one call over the whole batch logs),
    and returns the mean loss, so ``self.log(sync_dist=True)``, the progress bar and callbacks see the usual values.
 
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
@@ -109,16 +111,28 @@ class PipelineStep:
         return shared[0]
 
     def _run(self, run: Callable[..., Any], batch: Any, losses: list[Tensor], *, return_outputs: bool = False) -> Any:
-        """``run`` (the schedule's step or eval) on ``batch``, whose model input the user's step reveals."""
-        model_input = self._model_input(batch)
-        if model_input.shape[0] % self.microbatches:
+        """``run`` (the schedule's step or eval) on ``batch``, whose model call the user's step reveals.
+
+        The call's arguments reach every stage, cut into microbatches: tensors along their first dimension.
+        """
+        call = self._model_call(batch)
+        sizes: set[int] = set()
+        apply_to_collection(call, Tensor, lambda tensor: sizes.add(tensor.shape[0] if tensor.dim() else 0))
+        if len(sizes) != 1 or 0 in sizes:
             raise ValueError(
-                f"microbatches={self.microbatches} does not divide the batch of {model_input.shape[0]} on each "
+                "Pipeline parallelism cuts every tensor your step passes to the model into microbatches along its "
+                f"first dimension, but the call's tensors have first dimensions {sorted(sizes)}. Pass the model "
+                "per-example tensors with the batch first, e.g. `self(tokens, attention_mask)`."
+            )
+        (batch_size,) = sizes
+        if batch_size % self.microbatches:
+            raise ValueError(
+                f"microbatches={self.microbatches} does not divide the batch of {batch_size} on each "
                 "data-parallel rank. Choose microbatches that divide the per-rank batch size."
             )
         try:
             return run(
-                lightdist_model_input=model_input,
+                lightdist_model_call=call,
                 target=batch if self.last else None,
                 losses=losses if self.last else None,
                 return_outputs=return_outputs,
@@ -143,7 +157,9 @@ class PipelineStep:
             del self.module.forward, self.module.log
         return (result["loss"] if isinstance(result, Mapping) else result) * self._loss_scale
 
-    def _model_input(self, batch: Any) -> Tensor:
+    def _model_call(self, batch: Any) -> tuple[tuple, dict]:
+        """The arguments the user's step calls the model with, learned by running the step up to that call."""
+
         def called(*args: Any, **kwargs: Any) -> None:
             raise _ModelCalled(args, kwargs)
 
@@ -159,13 +175,7 @@ class PipelineStep:
             )
         finally:
             del self.module.forward
-        if len(args) != 1 or kwargs or not isinstance(args[0], Tensor):
-            raise ValueError(
-                "Pipeline parallelism sends one tensor, the model's input, into the first stage, but your step calls "
-                f"the model with {len(args)} positional and {len(kwargs)} keyword arguments. Call it with the token "
-                "ids alone, e.g. `self(tokens)`."
-            )
-        return args[0]
+        return args, kwargs
 
     def _record_log(self, name: str, value: Any, **options: Any) -> None:
         self._logged[name].append(torch.as_tensor(value.detach() if isinstance(value, Tensor) else value).float())

@@ -79,6 +79,28 @@ def test_pipelines_that_cannot_be_cut_or_fed(config: dict, strategy: dict, messa
         run_ranks(2, fit_llama_pipeline, config, dict(pipeline_parallel_size=2, **strategy))
 
 
+class _SharedMaskLlama(Llama):
+    """Passes the model a mask without a batch dimension, which cannot be cut into microbatches."""
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens) * mask[None, :, None]
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self(batch, torch.ones(batch.shape[1])).mean()
+
+
+def fit_shared_mask_in_a_pipeline() -> None:
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=ParallelStrategy(pipeline_parallel_size=2), max_steps=1)
+    trainer.fit(
+        _SharedMaskLlama("tiny"), train_dataloaders=DataLoader(torch.zeros(4, 16, dtype=torch.long), batch_size=4)
+    )
+
+
+def test_pipeline_needs_model_arguments_with_the_batch_first() -> None:
+    with pytest.raises(RuntimeError, match=r"the call's tensors have first dimensions \[4, 16\]. Pass the model"):
+        run_ranks(2, fit_shared_mask_in_a_pipeline)
+
+
 class _KeywordBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()

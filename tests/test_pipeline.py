@@ -64,16 +64,27 @@ def test_validation_and_test_through_a_pipeline_match_one_process(schedule: str)
     assert {name.split(".")[2] for name in last_names if ".layers." in name} == {"0", "1", "2", "3"} - blocks
 
 
+class WeightedLlama(Llama):
+    """Called with more than the token ids: a weight per example, and a keyword option."""
+
+    def forward(self, tokens: torch.Tensor, weights: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        return super().forward(tokens) * weights[:, None, None] * scale
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self(batch, torch.linspace(1, 2, len(batch)), scale=0.5)
+
+
 def predict(strategy: dict | None, devices: int) -> torch.Tensor:
     seed_everything(1234)
     tokens = torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(0))
     trainer = quiet_trainer(strategy, devices)
-    batches = trainer.predict(Llama("tiny"), dataloaders=DataLoader(tokens, batch_size=4))  # default step: self(batch)
+    batches = trainer.predict(WeightedLlama("tiny"), dataloaders=DataLoader(tokens, batch_size=4))
     return torch.cat(batches)
 
 
 @pytest.mark.multirank
 def test_predict_through_a_pipeline_matches_one_process() -> None:
+    # Every argument of the model call reaches every stage, tensors cut into microbatches with the batch.
     strategy = dict(pipeline_parallel_size=2, pipeline_schedule="zero_bubble", microbatches=2)  # 2 stages per rank
     first, last = run_ranks(2, predict, strategy, 2)
     (single,) = run_ranks(1, predict, None, 1)
