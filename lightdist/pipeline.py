@@ -265,7 +265,17 @@ class StageModel(nn.Module):
         return (self.as_stream(self._incoming), *args[1:]), kwargs
 
     def _keep_outgoing(self, block: nn.Module, args: tuple, output: Any) -> None:
-        self._outgoing = output[0] if isinstance(output, tuple) else output
+        if isinstance(output, tuple):
+            streams = [t for t in output if isinstance(t, Tensor) and t.shape == output[0].shape]
+            if len(streams) > 1 and not self.last:
+                raise ValueError(
+                    f"{type(block).__name__} returns {len(streams)} tensors shaped like its hidden states "
+                    f"{tuple(output[0].shape)}, but a pipeline stage hands the next stage only the first. Carry one "
+                    "stream between blocks (add the residual inside the block), or train this model without "
+                    "pipeline parallelism."
+                )
+            output = output[0]
+        self._outgoing = output
 
 
 def clip_grad_norm_across_stages(

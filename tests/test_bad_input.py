@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightdist.models import Llama, TokenDataModule
+from lightdist.pipeline import StageModel, keep_stages
 from lightdist.plugins import ParallelStrategy
 from lightdist.structure import find_decoder_stack
 
@@ -99,6 +100,42 @@ def fit_shared_mask_in_a_pipeline() -> None:
 def test_pipeline_needs_model_arguments_with_the_batch_first() -> None:
     with pytest.raises(RuntimeError, match=r"the call's tensors have first dimensions \[4, 16\]. Pass the model"):
         run_ranks(2, fit_shared_mask_in_a_pipeline)
+
+
+class _TwoStreamBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = x + residual
+        return self.proj(residual), residual
+
+
+class _TwoStreamLM(nn.Module):
+    """Its blocks pass the hidden states and a residual stream on, as Mamba's do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+        self.layers = nn.ModuleList(_TwoStreamBlock() for _ in range(2))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        residual = torch.zeros_like(x)
+        for block in self.layers:
+            x, residual = block(x, residual)
+        return self.head(x + residual)
+
+
+def test_pipeline_refuses_blocks_that_pass_two_streams_on() -> None:
+    model = _TwoStreamLM()
+    stack = keep_stages(model, find_decoder_stack(model), {0}, first=True, last=False)
+    first_stage = StageModel(model, stack, list(stack.blocks), first=True, last=False)
+    with pytest.raises(
+        ValueError, match=r"_TwoStreamBlock returns 2 tensors shaped like its hidden states \(2, 4, 8\)"
+    ):
+        first_stage(lightdist_model_call=((torch.zeros(2, 4, dtype=torch.long),), {}))
 
 
 class _KeywordBlock(nn.Module):
