@@ -6,14 +6,11 @@ import os
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -54,6 +51,7 @@ from lightdist.pipeline import (
 )
 from lightdist.plugins.pipeline import PipelineStep, TiedGradients
 from lightdist.sharding import ShardedOptimizer, ZeroStage, apply_data_parallel
+from lightdist.storage import load_sharded, read_metadata, save_sharded
 from lightdist.structure import DecoderStack, find_decoder_stack
 from lightdist.tensor_parallel import (
     TensorParallelStyle,
@@ -316,22 +314,39 @@ class ParallelStrategy(ModelParallelStrategy):
         return reorder_optimizer_state(self.lightning_module, state, to_model_layout=True)
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Save sharded: every rank writes its shards straight to ``filepath``, a path or any fsspec URL."""
+        if not self._save_distributed_checkpoint:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError(
+                "ParallelStrategy.save_checkpoint(..., storage_options=...) is not supported: endpoints and "
+                "credentials come from the environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) or fsspec's config."
+            )
+        url = self.broadcast(str(filepath))  # rank 0's path, so every rank writes into one checkpoint
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        save_sharded(state, url, metadata=checkpoint if self.global_rank == 0 else None)
+
+    @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded checkpoint of any ZeRO stage, keyed by the LightningModule's own parameter names."""
-        path = Path(self.broadcast(checkpoint_path))
+        """Load a sharded checkpoint of any ZeRO stage, keyed by the LightningModule's own parameter names, from a
+        path or any fsspec URL."""
+        url = self.broadcast(str(checkpoint_path))
         module = self.lightning_module
         model_state = {"state_dict": get_model_state_dict(module)}
-        dcp.load(model_state, checkpoint_id=path)
+        load_sharded(model_state, url)
         set_model_state_dict(module, model_state["state_dict"], options=StateDictOptions(strict=module.strict_loading))
         for index, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{index}"
             state = reorder_optimizer_state(module, get_optimizer_state_dict(module, optimizer), to_model_layout=True)
-            dcp.load({key: state}, checkpoint_id=path)
+            load_sharded({key: state}, url)
             state = reorder_optimizer_state(module, state, to_model_layout=False)
             # Not strict: a ZeRO-1 rank holds state only for the parameters it owns, and dcp.load has already
             # checked that the checkpoint has every state this rank asked for.
             set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=StateDictOptions(strict=False))
-        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+        return read_metadata(url, weights_only=weights_only)
 
     @classmethod
     @override

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fsspec import AbstractFileSystem
 from lightning.pytorch import Callback
 
 from multirank import run_ranks
@@ -70,7 +71,20 @@ def stop_and_resume(saved: Case, resumed: Case, checkpoint: str) -> tuple[Result
 )
 def test_resumed_run_continues_the_uninterrupted_one(tmp_path: Path, saved: Case, resumed: Case) -> None:
     (uninterrupted, resumed_run), _ = run_ranks(2, stop_and_resume, saved, resumed, str(tmp_path / "ckpt"))
+    assert_continues(uninterrupted, resumed_run)
 
+
+def test_run_resumed_from_s3_continues_the_uninterrupted_one(s3_bucket: tuple[str, AbstractFileSystem]) -> None:
+    url, storage = s3_bucket
+    checkpoint = f"{url}/run/step=3.ckpt"
+    (uninterrupted, resumed_run), _ = run_ranks(2, stop_and_resume, two_epochs(), two_epochs(), checkpoint)
+    assert_continues(uninterrupted, resumed_run)
+    # Each rank wrote its own shard straight to the bucket; Lightning's loop state sits beside them.
+    written = {path.rsplit("/", 1)[-1] for path in storage.ls(checkpoint.split("://", 1)[1])}
+    assert written == {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"}
+
+
+def assert_continues(uninterrupted: Result, resumed_run: Result) -> None:
     # The equivalence tests' tolerance: a run whose first half ran under another layout summed in another order.
     assert len(resumed_run.losses) == EPOCH
     torch.testing.assert_close(resumed_run.losses, uninterrupted.losses[EPOCH:], rtol=1e-5, atol=0)

@@ -1,0 +1,75 @@
+"""Real storage servers for the tests, started by the tests themselves on 127.0.0.1.
+
+Each server's endpoint and test credentials go into the environment, where s3fs finds them, in this process and in
+the ranks it starts.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import s3fs
+from fsspec import AbstractFileSystem
+
+from multirank import free_port
+
+
+@contextmanager
+def _environment(variables: dict[str, str]) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """moto's S3 server."""
+    port = free_port()
+    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                server.kill()
+                raise RuntimeError(f"moto's S3 server did not start on 127.0.0.1:{port}") from None
+            time.sleep(0.1)
+    endpoint = f"http://127.0.0.1:{port}"
+    credentials = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    try:
+        with _environment({"AWS_ENDPOINT_URL": endpoint, "FSSPEC_S3_ENDPOINT_URL": endpoint, **credentials}):
+            yield endpoint
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str) -> tuple[str, AbstractFileSystem]:
+    """A new, empty S3 bucket's URL, and a filesystem to look into it."""
+    s3 = s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True)
+    name = f"lightdist-{uuid.uuid4().hex[:12]}"
+    s3.mkdir(name)
+    return f"s3://{name}", s3
