@@ -36,9 +36,9 @@ def _environment(variables: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def s3_endpoint() -> Iterator[str]:
-    """moto's S3 server."""
+    """moto's S3 server, stopped and its variables unset after the test."""
     port = free_port()
     command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
