@@ -492,8 +492,8 @@ class ParallelStrategy(ModelParallelStrategy):
         indices = self._stages_of_this_rank()
         ranges = {index: range(sum(sizes[:index]), sum(sizes[: index + 1])) for index in indices}
         first, last = 0 in indices, count - 1 in indices
+        blocks = list(stack.blocks)
         stack = keep_stages(module, stack, {block for r in ranges.values() for block in r}, first=first, last=last)
-        blocks_by_index = dict(zip(sorted(b for r in ranges.values() for b in r), stack.blocks, strict=True))
         as_stream = _identity
         if self.layout.tp > 1 and self._sequence_parallel:
             tp_mesh = self.device_mesh["tp"]
@@ -502,7 +502,7 @@ class ParallelStrategy(ModelParallelStrategy):
             StageModel(
                 module,
                 stack,
-                [blocks_by_index[block] for block in ranges[index]],
+                [blocks[block] for block in ranges[index]],
                 first=index == 0,
                 last=index == count - 1,
                 as_stream=as_stream,
