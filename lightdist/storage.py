@@ -1,8 +1,13 @@
 """Sharded checkpoints at any fsspec URL: a local path, ``file://``, ``s3://``, ``gs://``, ``memory://``.
 
-Every rank writes its own shards straight to the URL through DCP's fsspec writer (s3fs and gcsfs underneath), and
-one rank writes the rest of Lightning's checkpoint (loop counters, callbacks, hyperparameters) beside them, after
-the shards. Lightning's own sharded save turns ``s3://bucket/x`` into a local folder ``s3:/bucket/x``.
+A checkpoint is a directory: every rank's shards and DCP's index (written by DCP's fsspec writer, s3fs and gcsfs
+underneath), Lightning's non-tensor state in ``meta.pt``, and last a ``COMPLETE`` manifest listing every file and its
+size. Only a directory with its manifest is a checkpoint: a save cut short by a crash, a kill or a storage fault
+leaves a directory without one, which loaders refuse and which no pointer ever names. Object stores have no atomic
+rename of a directory, so this marker written last is what makes a save all-or-nothing.
+
+A pointer is a small file (``last.ckpt``) naming a checkpoint beside it; rewriting it replaces one object, which is
+atomic on every store, where rewriting a checkpoint in place would not be.
 
 Endpoints and credentials come from the environment or the filesystems' own configuration (``AWS_*``,
 ``~/.aws``, ``GOOGLE_APPLICATION_CREDENTIALS``), so they never pass through lightdist's arguments or logs.
@@ -10,28 +15,104 @@ Endpoints and credentials come from the environment or the filesystems' own conf
 
 from __future__ import annotations
 
+import json
+import posixpath
 from typing import Any
 
-import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
+from fsspec.core import url_to_fs
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 
 # Not re-exported by torch.distributed.checkpoint (torch 2.13), but the writer and reader DCP documents for fsspec.
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-__all__ = ["load_sharded", "read_metadata", "save_sharded"]
+__all__ = [
+    "MANIFEST_FILENAME",
+    "commit",
+    "is_complete",
+    "load_sharded",
+    "read_metadata",
+    "remove",
+    "resolve",
+    "write_pointer",
+]
+
+MANIFEST_FILENAME = "COMPLETE"
+_POINTER_KEY = "lightdist_checkpoint"
 
 
-def save_sharded(state: dict[str, Any], url: str, *, metadata: dict[str, Any] | None = None) -> None:
-    """Write ``state``'s shards to ``url`` from every rank (a collective), then ``metadata``, which one rank passes.
+def commit(url: str, metadata: bytes) -> None:
+    """Write Lightning's metadata, then the manifest that makes the checkpoint at ``url`` complete. Rank 0 only,
+    after every rank's shards are written: DCP's coordinator (rank 0) returns from a save only then."""
+    fs, path = url_to_fs(url)
+    fs.pipe_file(posixpath.join(path, _METADATA_FILENAME), metadata)
+    fs.invalidate_cache(path)  # the shards were written by other processes
+    files = {posixpath.basename(info["name"]): info["size"] for info in fs.ls(path, detail=True)}
+    _replace(fs, posixpath.join(path, MANIFEST_FILENAME), json.dumps({"files": files}, indent=1).encode())
 
-    ``dcp.save`` returns once every rank's shards and DCP's index are written, so the metadata file comes last.
-    """
-    dcp.save(state, storage_writer=FsspecWriter(url))
-    if metadata is not None:
-        with fsspec.open(_join(url, _METADATA_FILENAME), "wb") as file:
-            torch.save(metadata, file)
+
+def is_complete(url: str) -> bool:
+    fs, path = url_to_fs(url)
+    return fs.isfile(posixpath.join(path, MANIFEST_FILENAME))
+
+
+def write_pointer(url: str, checkpoint_url: str) -> None:
+    """Make ``url`` name the checkpoint at ``checkpoint_url``, by its path relative to the pointer's directory, so a
+    run's directory can move between buckets whole."""
+    fs, path = url_to_fs(url)
+    name = posixpath.relpath(url_to_fs(checkpoint_url)[1], posixpath.dirname(path))
+    if fs.isdir(path):  # a full checkpoint saved under this name before: the pointer takes its place
+        remove(url)
+    _replace(fs, path, json.dumps({_POINTER_KEY: name}).encode())
+
+
+def resolve(url: str) -> str:
+    """The complete checkpoint that ``url`` is or points to; a clear error when there is none."""
+    fs, path = url_to_fs(url)
+    fs.invalidate_cache()  # other processes write checkpoints and pointers
+    if fs.isfile(path):
+        try:
+            name = json.loads(fs.cat_file(path))[_POINTER_KEY]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(
+                f"{url} is a file, not a lightdist sharded checkpoint (a directory) or a pointer to one. Load "
+                "single-file Lightning checkpoints with Lightning's own strategies."
+            ) from None
+        url = posixpath.join(posixpath.dirname(url.rstrip("/")), name)
+        fs, path = url_to_fs(url)
+    if not fs.isdir(path):
+        raise FileNotFoundError(f"No checkpoint at {url}.")
+    manifest_path = posixpath.join(path, MANIFEST_FILENAME)
+    if not fs.isfile(manifest_path):
+        raise ValueError(
+            f"The checkpoint at {url} is incomplete: it has no {MANIFEST_FILENAME} manifest, which a save writes last, "
+            "so its save was interrupted. Resume from an earlier checkpoint (ckpt_path='last' picks the newest "
+            "complete one)."
+        )
+    expected = json.loads(fs.cat_file(manifest_path))["files"]
+    present = {posixpath.basename(info["name"]): info["size"] for info in fs.ls(path, detail=True)}
+    damaged = sorted(name for name, size in expected.items() if present.get(name) != size)
+    if damaged:
+        raise ValueError(
+            f"The checkpoint at {url} is damaged: {', '.join(damaged)} missing or of the wrong size since it was "
+            "saved. Resume from another checkpoint."
+        )
+    return url
+
+
+def remove(url: str) -> None:
+    """Delete the checkpoint or pointer at ``url``, its manifest first, so that a deletion cut short never leaves
+    something that looks complete."""
+    fs, path = url_to_fs(url)
+    if fs.isfile(path):
+        fs.rm_file(path)
+        return
+    manifest_path = posixpath.join(path, MANIFEST_FILENAME)
+    if fs.exists(manifest_path):
+        fs.rm_file(manifest_path)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
 
 
 def load_sharded(state: dict[str, Any], url: str) -> None:
@@ -41,9 +122,13 @@ def load_sharded(state: dict[str, Any], url: str) -> None:
 
 def read_metadata(url: str, *, weights_only: bool | None = None) -> dict[str, Any]:
     """The non-tensor part of Lightning's checkpoint at ``url``."""
-    with fsspec.open(_join(url, _METADATA_FILENAME), "rb") as file:
+    fs, path = url_to_fs(url)
+    with fs.open(posixpath.join(path, _METADATA_FILENAME), "rb") as file:
         return torch.load(file, weights_only=weights_only)
 
 
-def _join(url: str, name: str) -> str:
-    return f"{url.rstrip('/')}/{name}"
+def _replace(fs: Any, path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all: written aside first, then moved into place."""
+    staging = f"{path}.partial"
+    fs.pipe_file(staging, data)
+    fs.mv(staging, path)

@@ -16,7 +16,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
@@ -38,6 +38,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightdist.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
+from lightdist.async_checkpoint import AsyncMode, CheckpointSaver
 from lightdist.layout import ParallelLayout
 from lightdist.loss_parallel import vocab_parallel_cross_entropy
 from lightdist.pipeline import (
@@ -51,7 +52,7 @@ from lightdist.pipeline import (
 )
 from lightdist.plugins.pipeline import PipelineStep, TiedGradients
 from lightdist.sharding import ShardedOptimizer, ZeroStage, apply_data_parallel
-from lightdist.storage import load_sharded, read_metadata, save_sharded
+from lightdist.storage import load_sharded, read_metadata, resolve
 from lightdist.structure import DecoderStack, find_decoder_stack
 from lightdist.tensor_parallel import (
     TensorParallelStyle,
@@ -119,6 +120,9 @@ class ParallelStrategy(ModelParallelStrategy):
             a DTensor; ``F.cross_entropy`` on them returns a plain tensor.
         cpu_offload: Keep sharded parameters, gradients and optimizer state in CPU memory (ZeRO-2/3).
         tp_plan: Module-name patterns mapped to a tensor-parallel style, overriding the discovered plan.
+        async_checkpoint: How checkpoints saved during ``fit`` upload behind training once staged in CPU memory:
+            ``"process"`` (DCP's daemon process per rank, free of the training process's GIL), ``"thread"``, or
+            ``None`` to save before training goes on.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; default: the device's own.
     """
 
@@ -139,6 +143,7 @@ class ParallelStrategy(ModelParallelStrategy):
         loss_parallel: bool = False,
         cpu_offload: bool = False,
         tp_plan: dict[str, TensorParallelStyle] | None = None,
+        async_checkpoint: AsyncMode | None = "process",
         process_group_backend: str | None = None,
     ) -> None:
         _validate_options(
@@ -151,6 +156,7 @@ class ParallelStrategy(ModelParallelStrategy):
             microbatches=microbatches,
             activation_checkpointing=activation_checkpointing,
             cpu_offload=cpu_offload,
+            async_checkpoint=async_checkpoint,
         )
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -170,6 +176,9 @@ class ParallelStrategy(ModelParallelStrategy):
         self._loss_parallel = loss_parallel
         self._cpu_offload = cpu_offload
         self._tp_plan = tp_plan
+        self._async_checkpoint = async_checkpoint
+        self._checkpoints: CheckpointSaver | None = None
+        self._failed_saves_reported = 0
         self._layout: ParallelLayout | None = None
         self._parallel_root: _ParallelRoot | None = None
 
@@ -210,6 +219,13 @@ class ParallelStrategy(ModelParallelStrategy):
         self._device_mesh = self._layout.build_mesh(self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    @override
+    def teardown(self) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.wait()  # the last upload finishes before the process may exit
+            self._report_failed_saves()
+        super().teardown()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -315,7 +331,11 @@ class ParallelStrategy(ModelParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Save sharded: every rank writes its shards straight to ``filepath``, a path or any fsspec URL."""
+        """Save sharded: every rank writes its shards straight to ``filepath``, a path or any fsspec URL.
+
+        While ``fit`` runs, the save returns once the state is staged in CPU memory and the upload goes on behind
+        training (``async_checkpoint``); a save outside ``fit`` returns when the checkpoint is complete.
+        """
         if not self._save_distributed_checkpoint:
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
@@ -327,13 +347,33 @@ class ParallelStrategy(ModelParallelStrategy):
         url = self.broadcast(str(filepath))  # rank 0's path, so every rank writes into one checkpoint
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        save_sharded(state, url, metadata=checkpoint if self.global_rank == 0 else None)
+        trainer = self.lightning_module.trainer
+        self._checkpoint_saver.save(
+            state,
+            url,
+            metadata=checkpoint if self.is_global_zero else None,
+            background=trainer.state.status == TrainerStatus.RUNNING,
+        )
+        self._report_failed_saves()
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Remove a checkpoint once every save asked for before has completed, so that retention never takes the
+        last complete checkpoint."""
+        if self.is_global_zero:
+            self._checkpoint_saver.remove(str(filepath))
+
+    def point_checkpoint(self, pointer: _PATH, checkpoint: _PATH) -> None:
+        """Make the small file ``pointer`` name ``checkpoint`` once that checkpoint is complete: ``last.ckpt``."""
+        if self.is_global_zero:
+            self._checkpoint_saver.point(str(pointer), str(checkpoint))
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded checkpoint of any ZeRO stage, keyed by the LightningModule's own parameter names, from a
-        path or any fsspec URL."""
-        url = self.broadcast(str(checkpoint_path))
+        path or any fsspec URL, or from a pointer to one."""
+        self._checkpoint_saver.wait()
+        url = resolve(self.broadcast(str(checkpoint_path)))
         module = self.lightning_module
         model_state = {"state_dict": get_model_state_dict(module)}
         load_sharded(model_state, url)
@@ -383,6 +423,21 @@ class ParallelStrategy(ModelParallelStrategy):
                 description=f"lightdist: data parallel, ZeRO-{stage} (shards {shards})",
                 zero_stage=stage,
             )
+
+    @property
+    def _checkpoint_saver(self) -> CheckpointSaver:
+        if self._checkpoints is None:  # built in each rank's process: it holds threads and a process group
+            self._checkpoints = CheckpointSaver(self._async_checkpoint)
+        return self._checkpoints
+
+    def _report_failed_saves(self) -> None:
+        """The count of failed saves reaches the loggers, beside the error each rank logged."""
+        failed = len(self._checkpoint_saver.failures)
+        if failed > self._failed_saves_reported:
+            self._failed_saves_reported = failed
+            trainer = self.lightning_module.trainer
+            for logger in trainer.loggers:
+                logger.log_metrics({"checkpoint/failed_saves": failed}, step=trainer.global_step)
 
     @property
     def _saving_options(self) -> StateDictOptions:
@@ -580,6 +635,7 @@ def _validate_options(
     microbatches: int | None,
     activation_checkpointing: str | None,
     cpu_offload: bool,
+    async_checkpoint: str | None,
 ) -> None:
     """Reject impossible options when the strategy is built, before any process or tensor exists."""
     for name, size in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
@@ -621,6 +677,11 @@ def _validate_options(
     if activation_checkpointing not in (None, "full", "selective"):
         raise ValueError(
             f"activation_checkpointing={activation_checkpointing!r} is not one of None, 'full', 'selective'."
+        )
+    if async_checkpoint not in (None, *AsyncMode.__args__):
+        raise ValueError(
+            f"async_checkpoint={async_checkpoint!r} is not one of 'process' (upload from a daemon process per rank), "
+            "'thread' (from a thread) or None (save before training goes on)."
         )
     if cpu_offload and zero_stage < 2:
         raise ValueError(

@@ -34,6 +34,7 @@ def test_world_size_must_equal_the_product_of_the_degrees() -> None:
         (dict(zero_stage=1, cpu_offload=True), r"cpu_offload=True needs .* zero_stage=1. Use zero_stage=2 or 3"),
         (dict(tensor_parallel_size=0), r"tensor_parallel_size=0 must be a positive integer or 'auto'"),
         (dict(virtual_stages=2), r"pipeline_schedule='1f1b' runs one stage per rank, but virtual_stages=2. Use"),
+        (dict(async_checkpoint="daemon"), r"async_checkpoint='daemon' is not one of 'process' \(upload from a daemon"),
         (
             dict(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", microbatches=5),
             r"microbatches=5 must be a multiple of 2 rounds. Choose a multiple of 2",

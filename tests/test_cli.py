@@ -46,7 +46,7 @@ def test_config_trains_and_saves_a_sharded_checkpoint(tmp_path: Path, config: st
     checkpoints = list((tmp_path / "runs").rglob("*.ckpt"))
     assert len(checkpoints) == 1, checkpoints
     shards = sorted(path.name for path in checkpoints[0].iterdir())
-    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert shards == [".metadata", "COMPLETE", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
 
 
 @pytest.mark.multirank

@@ -7,24 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 from fsspec import AbstractFileSystem
-from lightning.pytorch import Callback
+
+from lightdist.plugins import ModelCheckpoint
 
 from multirank import run_ranks
-from training import Case, Result, train
+from training import Case, Result, StopAfter, train
 
 pytestmark = pytest.mark.multirank
 
 EPOCH = 3  # batches per epoch: the run stops and resumes at an epoch boundary, where the data order restarts
-
-
-class _StopAfter(Callback):
-    """Ends the run early, as a preempted job would: its configuration (and so its LR schedule) is the full run's."""
-
-    def __init__(self, steps: int) -> None:
-        self.steps = steps
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        trainer.should_stop = trainer.global_step >= self.steps
 
 
 def two_epochs(batch_size: int = 4, model: str = "llama", **strategy) -> Case:
@@ -33,7 +24,7 @@ def two_epochs(batch_size: int = 4, model: str = "llama", **strategy) -> Case:
 
 def stop_and_resume(saved: Case, resumed: Case, checkpoint: str) -> tuple[Result, Result]:
     uninterrupted = train(resumed, devices=2)
-    train(saved, devices=2, callbacks=[_StopAfter(EPOCH)], save_to=checkpoint)
+    train(saved, devices=2, callbacks=[StopAfter(EPOCH)], save_to=checkpoint)
     return uninterrupted, train(resumed, devices=2, resume_from=checkpoint)
 
 
@@ -74,14 +65,41 @@ def test_resumed_run_continues_the_uninterrupted_one(tmp_path: Path, saved: Case
     assert_continues(uninterrupted, resumed_run)
 
 
-def test_run_resumed_from_s3_continues_the_uninterrupted_one(s3_bucket: tuple[str, AbstractFileSystem]) -> None:
+def test_run_resumed_from_s3_last_continues_the_uninterrupted_one(s3_bucket: tuple[str, AbstractFileSystem]) -> None:
     url, storage = s3_bucket
-    checkpoint = f"{url}/run/step=3.ckpt"
-    (uninterrupted, resumed_run), _ = run_ranks(2, stop_and_resume, two_epochs(), two_epochs(), checkpoint)
+    run = f"{url}/run"
+    (uninterrupted, resumed_run), _ = run_ranks(2, stop_and_resume_last, two_epochs(), run)
     assert_continues(uninterrupted, resumed_run)
+    # Every step saved in the background; the two newest stayed, each complete, and last.ckpt names the newest.
     # Each rank wrote its own shard straight to the bucket; Lightning's loop state sits beside them.
-    written = {path.rsplit("/", 1)[-1] for path in storage.ls(checkpoint.split("://", 1)[1])}
-    assert written == {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"}
+    storage.invalidate_cache()
+    assert sorted(path.rsplit("/", 1)[-1] for path in storage.ls(run.split("://", 1)[1])) == [
+        "epoch=1-step=5.ckpt",
+        "epoch=1-step=6.ckpt",
+        "last.ckpt",
+    ]
+    newest = f"{run.split('://', 1)[1]}/epoch=1-step=6.ckpt"
+    assert {path.rsplit("/", 1)[-1] for path in storage.ls(newest)} == {
+        "__0_0.distcp",
+        "__1_0.distcp",
+        ".metadata",
+        "meta.pt",
+        "COMPLETE",
+    }
+    assert storage.cat(f"{run.split('://', 1)[1]}/last.ckpt") == b'{"lightdist_checkpoint": "epoch=1-step=6.ckpt"}'
+
+
+def stop_and_resume_last(case: Case, run: str) -> tuple[Result, Result]:
+    """The run a user launches again after preemption: the same command, ``ckpt_path="last"``."""
+
+    def keep_two_newest() -> ModelCheckpoint:
+        return ModelCheckpoint(
+            dirpath=run, every_n_train_steps=1, save_top_k=2, monitor="step", mode="max", save_last=True
+        )
+
+    uninterrupted = train(case, devices=2)
+    train(case, devices=2, callbacks=[StopAfter(EPOCH), keep_two_newest()])
+    return uninterrupted, train(case, devices=2, callbacks=[keep_two_newest()], resume_from="last")
 
 
 def assert_continues(uninterrupted: Result, resumed_run: Result) -> None:

@@ -38,23 +38,25 @@ def _layout(x: torch.Tensor) -> tuple:
     return (tuple(x.placements), tuple(x.to_local().shape)) if isinstance(x, DTensor) else ("local", tuple(x.shape))
 
 
-def layouts(strategy: dict) -> dict[str, set[tuple]]:
-    probe = _RecordLayouts()
-    case = Case(strategy=dict(tensor_parallel_size=2, **strategy), steps=1, seq_len=32)
-    training.train(case, devices=2, callbacks=[probe])
-    return {"norm_inputs": set(probe.norm_inputs), "logits": set(probe.logits)}
+def layouts(strategies: list[dict]) -> list[dict[str, set[tuple]]]:
+    """For each strategy, one step's layouts; all in one group of processes, so the start-up cost is paid once."""
+    seen = []
+    for strategy in strategies:
+        probe = _RecordLayouts()
+        case = Case(strategy=dict(tensor_parallel_size=2, **strategy), steps=1, seq_len=32)
+        training.train(case, devices=2, callbacks=[probe])
+        seen.append({"norm_inputs": set(probe.norm_inputs), "logits": set(probe.logits)})
+    return seen
 
 
 def test_norms_see_half_the_sequence_with_sequence_parallel() -> None:
-    with_sp, _ = run_ranks(2, layouts, dict(sequence_parallel=True))
-    without_sp, _ = run_ranks(2, layouts, dict(sequence_parallel=False))
+    (with_sp, without_sp), _ = run_ranks(2, layouts, [dict(sequence_parallel=True), dict(sequence_parallel=False)])
     assert with_sp["norm_inputs"] == {((Shard(dim=1),), (4, 16, 64))}  # batch 4, 32 tokens over 2 ranks, width 64
     assert without_sp["norm_inputs"] == {((Replicate(),), (4, 32, 64))}  # every rank, the whole sequence
 
 
 def test_loss_parallel_never_gathers_the_logits() -> None:
-    gathered, _ = run_ranks(2, layouts, {})
-    split, _ = run_ranks(2, layouts, dict(loss_parallel=True))
+    (gathered, split), _ = run_ranks(2, layouts, [{}, dict(loss_parallel=True)])
     assert gathered["logits"] == {("local", (4, 32, 64))}  # the whole vocabulary of 64 on every rank
     assert split["logits"] == {((Shard(dim=2),), (4, 32, 32))}  # half of it: the loss is computed from that
 
@@ -79,26 +81,32 @@ def test_sequence_parallel_needs_attention_and_mlp_submodules() -> None:
         run_ranks(2, split_flat_model)
 
 
-def count_collectives(n_layers: int, sequence_parallel: bool) -> tuple[Counter, Counter]:
-    """Collectives of one forward and one backward of the tiny Llama split over 2 ranks (names without namespace)."""
-    torch.manual_seed(0)
-    with split_over_two_ranks(
-        Llama("tiny", config={"n_layers": n_layers}), sequence_parallel=sequence_parallel
-    ) as model:
-        batch = torch.randint(0, 64, (4, 33))
-        with CommDebugMode() as forward:
-            loss = model.loss(batch)
-        with CommDebugMode() as backward:
-            loss.backward()
-    return tuple(
-        Counter({str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}) for mode in (forward, backward)
-    )
+def count_collectives(layer_counts: tuple[int, ...], sequence_parallel: bool) -> list[tuple[Counter, Counter]]:
+    """Collectives of one forward and one backward of the tiny Llama split over 2 ranks (names without namespace),
+    for each number of layers."""
+    counts = []
+    for n_layers in layer_counts:
+        torch.manual_seed(0)
+        with split_over_two_ranks(
+            Llama("tiny", config={"n_layers": n_layers}), sequence_parallel=sequence_parallel
+        ) as model:
+            batch = torch.randint(0, 64, (4, 33))
+            with CommDebugMode() as forward:
+                loss = model.loss(batch)
+            with CommDebugMode() as backward:
+                loss.backward()
+        counts.append(
+            tuple(
+                Counter({str(op).split(".")[-1]: n for op, n in m.get_comm_counts().items()})
+                for m in (forward, backward)
+            )
+        )
+    return counts
 
 
 def per_block(sequence_parallel: bool) -> tuple[Counter, Counter]:
     """What two more blocks cost, halved: the embedding's and head's collectives cancel out."""
-    (forward4, backward4), _ = run_ranks(2, count_collectives, 4, sequence_parallel)
-    (forward2, backward2), _ = run_ranks(2, count_collectives, 2, sequence_parallel)
+    ((forward4, backward4), (forward2, backward2)), _ = run_ranks(2, count_collectives, (4, 2), sequence_parallel)
     return _halved(forward4 - forward2), _halved(backward4 - backward2)
 
 

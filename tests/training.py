@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -149,6 +150,16 @@ class _RecordLosses(Callback):
         self.result.logged.append(trainer.callback_metrics["train_loss"].item())
 
 
+class StopAfter(Callback):
+    """Ends the run early, as a preempted job would: its configuration (and so its LR schedule) is the full run's."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        trainer.should_stop = trainer.global_step >= self.steps
+
+
 def train(
     case: Case,
     devices: int = 1,
@@ -175,7 +186,7 @@ def train(
         precision=case.precision,
         callbacks=[_RecordLosses(result), *callbacks],
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=any(isinstance(callback, ModelCheckpoint) for callback in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
     )

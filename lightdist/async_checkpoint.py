@@ -1,0 +1,196 @@
+"""Checkpoint saves that return once the state is staged in CPU memory, with the upload running behind training.
+
+At most one save is in flight: a new save first waits for the previous upload, so staged copies never pile up. Rank 0
+does everything that must follow an upload, one job at a time and in the order it was asked: commit the checkpoint
+once every rank's shards are written, then removals and pointers. So a removal (retention) runs only after a newer
+checkpoint is complete and a pointer never names an incomplete one. A save that fails is logged on every rank that
+saw it; training goes on, and removals wait for the next save that succeeds, so the last good checkpoint stays.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+# Not re-exported by torch.distributed.checkpoint (torch 2.13), but the writer DCP documents for fsspec.
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from lightdist.storage import commit, is_complete, remove, write_pointer
+
+__all__ = ["AsyncMode", "CheckpointSaver"]
+
+AsyncMode = Literal["process", "thread"]
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointSaver:
+    """Saves, removals and pointers for one run's sharded checkpoints, in order; the upload in the background when
+    ``mode`` is ``"process"`` (DCP's daemon process per rank) or ``"thread"``, in the caller when ``None``."""
+
+    def __init__(self, mode: AsyncMode | None) -> None:
+        self._mode = mode
+        self._group: dist.ProcessGroup | None = None
+        self._stager: DefaultStager | None = None
+        self._upload: Future | None = None
+        # Rank 0's ordered jobs, and what they share (touched only by that one worker thread).
+        self._jobs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightdist-checkpoint")
+        self._last_job: Future | None = None
+        self._commits_here = False
+        self._last_save_ok = True
+        self._removals_waiting: list[str] = []
+        self._pointers: dict[str, str] = {}  # pointer URL -> the checkpoint it names
+        self.failures: list[str] = []
+
+    def save(self, state: dict[str, Any], url: str, metadata: dict[str, Any] | None, *, background: bool) -> None:
+        """Save ``state`` (every rank's shards) to ``url``; rank 0 passes Lightning's ``metadata``. A collective.
+
+        ``background=False`` returns once the checkpoint is complete and raises if it could not be saved: for the
+        saves a user waits for, such as ``trainer.save_checkpoint`` after ``fit``.
+        """
+        self.wait()
+        if self._group is None:
+            # DCP's own collectives run beside training's; on their own gloo group they never interleave, and
+            # DCP's background saves need a CPU group even where training runs on NCCL.
+            self._group = dist.new_group(backend="gloo")
+        background = background and self._mode is not None
+        self._commits_here = metadata is not None
+        if self._commits_here:
+            remove(url)  # a checkpoint saved under this name before: its files must not mix with this one's
+        dist.barrier(group=self._group)
+        try:
+            writer, error = FsspecWriter(url), None  # creates the directory: where an unwritable URL fails first
+        except Exception as raised:
+            writer, error = None, raised
+        if not _on_every_rank(writer is not None, self._group):
+            error = error or RuntimeError("another rank could not create it")
+            if not background:
+                raise RuntimeError(f"lightdist: the checkpoint at {url} could not be saved: {error}") from error
+            self._upload = Future()
+            self._upload.set_exception(error)
+        elif background:
+            self._upload = dcp.async_save(
+                state,
+                storage_writer=writer,
+                process_group=self._group,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS
+                if self._mode == "process"
+                else AsyncCheckpointerType.THREAD,
+                async_stager=self._staging_area(),
+            )
+        else:
+            dcp.save(state, storage_writer=writer, process_group=self._group)
+        if metadata is not None:
+            self._submit(self._commit, self._upload, url, _serialized(metadata))
+        if not background:
+            self.wait()
+            if metadata is not None and not self._last_save_ok:
+                raise RuntimeError(self.failures[-1])
+
+    def remove(self, url: str) -> None:
+        """Delete the checkpoint at ``url`` once a later save has completed. Rank 0 only."""
+        self._submit(self._remove, url)
+
+    def point(self, pointer_url: str, checkpoint_url: str) -> None:
+        """Make ``pointer_url`` name ``checkpoint_url`` once that checkpoint is complete. Rank 0 only."""
+        self._submit(self._point, pointer_url, checkpoint_url)
+
+    def wait(self) -> None:
+        """Return once this rank's upload and rank 0's jobs so far are done; failures are logged, never raised."""
+        if self._upload is not None:
+            error = self._upload.exception()
+            self._upload = None
+            if error is not None and not self._commits_here:  # rank 0's commit job reports its own
+                self._report(f"this rank's shards could not be written: {error}")
+        if self._last_job is not None:
+            self._last_job.result()
+
+    def close(self) -> None:
+        self.wait()
+        self._jobs.shutdown()
+        if self._stager is not None:
+            self._stager.close()
+
+    def _staging_area(self) -> DefaultStager:
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            # Pinned memory makes the device-to-host copy fast; shared memory hands it to the daemon process
+            # without a second copy. Staging itself is synchronous: once save returns, training may change the
+            # parameters.
+            options = StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=self._mode == "process",
+                use_async_staging=False,
+                use_non_blocking_copy=cuda,
+            )
+            self._stager = DefaultStager(options)
+        return self._stager
+
+    def _submit(self, job: Any, *args: Any) -> None:
+        self._last_job = self._jobs.submit(job, *args)
+
+    def _commit(self, upload: Future | None, url: str, metadata: bytes) -> None:
+        try:
+            if upload is not None:
+                upload.result()
+            commit(url, metadata)
+        except (Exception, CheckpointException) as error:  # DCP's own is a BaseException
+            self._last_save_ok = False
+            self._report(f"the checkpoint at {url} could not be saved: {error}")
+            return
+        self._last_save_ok = True
+        self._retry_removals()
+
+    def _remove(self, url: str) -> None:
+        # Not while the newest save failed (this may be the last good checkpoint), nor while a pointer names it:
+        # Lightning asks to remove a top-k checkpoint before it points last.ckpt elsewhere.
+        if not self._last_save_ok or url in self._pointers.values():
+            self._removals_waiting.append(url)
+            return
+        try:
+            remove(url)
+        except Exception as error:
+            log.warning("lightdist: could not remove the old checkpoint at %s: %s", url, error)
+
+    def _point(self, pointer_url: str, checkpoint_url: str) -> None:
+        try:
+            if not is_complete(checkpoint_url):  # its save failed, and was reported
+                return
+            write_pointer(pointer_url, checkpoint_url)
+        except Exception as error:
+            self._report(f"{pointer_url} could not be pointed at {checkpoint_url}: {error}")
+            return
+        self._pointers[pointer_url] = checkpoint_url
+        self._retry_removals()
+
+    def _retry_removals(self) -> None:
+        waiting, self._removals_waiting = self._removals_waiting, []
+        for url in waiting:
+            self._remove(url)
+
+    def _report(self, problem: str) -> None:
+        message = f"lightdist: {problem}. Training goes on; the previous complete checkpoint is kept."
+        self.failures.append(message)
+        log.error(message)
+
+
+def _on_every_rank(flag: bool, group: dist.ProcessGroup) -> bool:
+    every = torch.tensor([int(flag)])
+    dist.all_reduce(every, op=dist.ReduceOp.MIN, group=group)
+    return bool(every.item())
+
+
+def _serialized(metadata: dict[str, Any]) -> bytes:
+    # Serialized now, while training waits: the dictionaries hold live objects that later steps change.
+    buffer = io.BytesIO()
+    torch.save(metadata, buffer)
+    return buffer.getvalue()

@@ -1,0 +1,75 @@
+"""Lightning's ``ModelCheckpoint`` for sharded checkpoints at any fsspec URL, with an atomic ``last.ckpt``."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckpoint
+from torch import Tensor
+from typing_extensions import override
+
+from lightdist.plugins.strategy import ParallelStrategy
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["ModelCheckpoint"]
+
+
+class ModelCheckpoint(_LightningModelCheckpoint):
+    """Lightning's ``ModelCheckpoint``, whose ``last.ckpt`` is a small file naming the newest checkpoint.
+
+    Lightning rewrites ``last.ckpt`` in place at every save: on object storage, a save cut short there leaves no
+    ``last`` at all, and the upload doubles. Here ``last.ckpt`` is pointed at the checkpoint this step saved, once that
+    one is complete; where no top-k checkpoint was saved at this step, the state goes to ``last-step=N.ckpt`` first.
+    ``trainer.fit(ckpt_path="last")`` then finds it on ``s3://`` and ``gs://`` too, where Lightning's own search
+    drops the protocol and silently starts from scratch.
+
+    Under any other strategy than ``ParallelStrategy`` it is Lightning's ``ModelCheckpoint`` unchanged.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._last_only_path = ""  # the state saved for last.ckpt alone, removed once last.ckpt names a newer one
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "last_only_path": self._last_only_path}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if self.dirpath == state_dict.get("dirpath", self.dirpath):
+            self._last_only_path = state_dict.get("last_only_path", "")
+
+    @override
+    def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]) -> None:
+        if not self.save_last or not isinstance(trainer.strategy, ParallelStrategy):
+            super()._save_last_checkpoint(trainer, monitor_candidates)
+            return
+        if self._last_checkpoint_saved is None or self._last_global_step_saved != trainer.global_step:
+            previous_last_only = self._last_only_path
+            self._last_only_path = self._path(f"{self.CHECKPOINT_NAME_LAST}-step={trainer.global_step}")
+            self._save_checkpoint(trainer, self._last_only_path)
+            if previous_last_only:
+                self._remove_checkpoint(trainer, previous_last_only)
+        elif self._last_only_path:  # last.ckpt will name a top-k checkpoint: the state kept for it alone goes
+            self._remove_checkpoint(trainer, self._last_only_path)
+            self._last_only_path = ""
+        self.last_model_path = self._path(self.CHECKPOINT_NAME_LAST)
+        trainer.strategy.point_checkpoint(self.last_model_path, self._last_checkpoint_saved)
+
+    @override
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        if not isinstance(trainer.strategy, ParallelStrategy):
+            return super()._find_last_checkpoints(trainer)
+        # Lightning's search returns paths without their protocol, which then name nothing on object storage.
+        found = super()._find_last_checkpoints(trainer)
+        if self.dirpath is not None and not _is_local_file_protocol(self.dirpath):
+            found = {self._fs.unstrip_protocol(path) for path in found}
+        return {path for path in found if self._fs.isfile(path)}  # pointers, not the states saved for them
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.dirpath, name + self.FILE_EXTENSION)
