@@ -114,12 +114,6 @@ class CheckpointSaver:
         if self._last_job is not None:
             self._last_job.result()
 
-    def close(self) -> None:
-        self.wait()
-        self._jobs.shutdown()
-        if self._stager is not None:
-            self._stager.close()
-
     def _staging_area(self) -> DefaultStager:
         if self._stager is None:
             cuda = torch.cuda.is_available()

@@ -81,32 +81,27 @@ def test_sequence_parallel_needs_attention_and_mlp_submodules() -> None:
         run_ranks(2, split_flat_model)
 
 
-def count_collectives(layer_counts: tuple[int, ...], sequence_parallel: bool) -> list[tuple[Counter, Counter]]:
-    """Collectives of one forward and one backward of the tiny Llama split over 2 ranks (names without namespace),
-    for each number of layers."""
-    counts = []
-    for n_layers in layer_counts:
-        torch.manual_seed(0)
-        with split_over_two_ranks(
-            Llama("tiny", config={"n_layers": n_layers}), sequence_parallel=sequence_parallel
-        ) as model:
-            batch = torch.randint(0, 64, (4, 33))
-            with CommDebugMode() as forward:
-                loss = model.loss(batch)
-            with CommDebugMode() as backward:
-                loss.backward()
-        counts.append(
-            tuple(
-                Counter({str(op).split(".")[-1]: n for op, n in m.get_comm_counts().items()})
-                for m in (forward, backward)
-            )
-        )
-    return counts
+def count_collectives(n_layers: int, sequence_parallel: bool) -> tuple[Counter, Counter]:
+    """Collectives of one forward and one backward of the tiny Llama split over 2 ranks (names without namespace)."""
+    torch.manual_seed(0)
+    with split_over_two_ranks(
+        Llama("tiny", config={"n_layers": n_layers}), sequence_parallel=sequence_parallel
+    ) as model:
+        batch = torch.randint(0, 64, (4, 33))
+        with CommDebugMode() as forward:
+            loss = model.loss(batch)
+        with CommDebugMode() as backward:
+            loss.backward()
+    return tuple(
+        Counter({str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}) for mode in (forward, backward)
+    )
 
 
 def per_block(sequence_parallel: bool) -> tuple[Counter, Counter]:
-    """What two more blocks cost, halved: the embedding's and head's collectives cancel out."""
-    ((forward4, backward4), (forward2, backward2)), _ = run_ranks(2, count_collectives, (4, 2), sequence_parallel)
+    """What two more blocks cost, halved: the embedding's and head's collectives cancel out. One group of processes
+    per model: ``split_over_two_ranks`` starts and ends its own process group."""
+    (forward4, backward4), _ = run_ranks(2, count_collectives, 4, sequence_parallel)
+    (forward2, backward2), _ = run_ranks(2, count_collectives, 2, sequence_parallel)
     return _halved(forward4 - forward2), _halved(backward4 - backward2)
 
 
