@@ -48,8 +48,8 @@ def commit(url: str, metadata: bytes) -> None:
     fs, path = url_to_fs(url)
     fs.pipe_file(posixpath.join(path, _METADATA_FILENAME), metadata)
     fs.invalidate_cache(path)  # the shards were written by other processes
-    files = {posixpath.basename(info["name"]): info["size"] for info in fs.ls(path, detail=True)}
-    _replace(fs, posixpath.join(path, MANIFEST_FILENAME), json.dumps({"files": files}, indent=1).encode())
+    manifest = {"files": _file_sizes(fs, path)}
+    _replace(fs, posixpath.join(path, MANIFEST_FILENAME), json.dumps(manifest, indent=1).encode())
 
 
 def is_complete(url: str) -> bool:
@@ -91,7 +91,7 @@ def resolve(url: str) -> str:
             "complete one)."
         )
     expected = json.loads(fs.cat_file(manifest_path))["files"]
-    present = {posixpath.basename(info["name"]): info["size"] for info in fs.ls(path, detail=True)}
+    present = _file_sizes(fs, path)
     damaged = sorted(name for name, size in expected.items() if present.get(name) != size)
     if damaged:
         raise ValueError(
@@ -125,6 +125,10 @@ def read_metadata(url: str, *, weights_only: bool | None = None) -> dict[str, An
     fs, path = url_to_fs(url)
     with fs.open(posixpath.join(path, _METADATA_FILENAME), "rb") as file:
         return torch.load(file, weights_only=weights_only)
+
+
+def _file_sizes(fs: Any, path: str) -> dict[str, int]:
+    return {posixpath.basename(info["name"]): info["size"] for info in fs.ls(path, detail=True)}
 
 
 def _replace(fs: Any, path: str, data: bytes) -> None:
