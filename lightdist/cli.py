@@ -3,6 +3,8 @@
 ``lightdist fit --config configs/zero3_cpu.yaml`` trains; every strategy option can be set from YAML or as
 ``--trainer.strategy.init_args.zero_stage=2``, and a registered name works as ``--trainer.strategy=lightdist_zero2``.
 ``lightdist plan --config ...`` shows what tensor parallelism will do to the model, without allocating it.
+``lightdist export CKPT OUT`` turns a sharded checkpoint into weights for the plain model (safetensors, torch, or a
+Hugging Face model).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import sys
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
 import lightdist  # noqa: F401  (registers the strategy names before the config is parsed)
-from lightdist import plan
+from lightdist import export, plan
 
 __all__ = ["main"]
 
@@ -21,6 +23,9 @@ def main(args: ArgsType = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["plan"]:
         plan.main(argv[1:])
+        return
+    if argv[:1] == ["export"]:
+        export.main(argv[1:])
         return
     LightningCLI(save_config_kwargs={"overwrite": True}, args=args)
 

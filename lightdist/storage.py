@@ -9,19 +9,26 @@ rename of a directory, so this marker written last is what makes a save all-or-n
 A pointer is a small file (``last.ckpt``) naming a checkpoint beside it; rewriting it replaces one object, which is
 atomic on every store, where rewriting a checkpoint in place would not be.
 
-Endpoints and credentials come from the environment or the filesystems' own configuration (``AWS_*``,
-``~/.aws``, ``GOOGLE_APPLICATION_CREDENTIALS``), so they never pass through lightdist's arguments or logs.
+Credentials come from the environment or the filesystems' own configuration (``AWS_*``, ``~/.aws`` profiles,
+``GOOGLE_APPLICATION_CREDENTIALS``), never from lightdist's options, so they never land in a saved config or a log.
+Other settings (endpoint, region, profile name, retries) may also come from ``storage_options``, which become
+fsspec's own per-protocol configuration in the process.
 """
 
 from __future__ import annotations
 
 import json
 import posixpath
+import re
+import uuid
+from collections.abc import Mapping
 from typing import Any
 
+import fsspec.config
 import torch
 import torch.distributed.checkpoint as dcp
 from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 
 # Not re-exported by torch.distributed.checkpoint (torch 2.13), but the writer and reader DCP documents for fsspec.
@@ -29,10 +36,14 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 __all__ = [
     "MANIFEST_FILENAME",
+    "check_writable",
     "commit",
+    "configure",
     "is_complete",
     "load_sharded",
     "read_metadata",
+    "reader",
+    "reject_credentials",
     "remove",
     "resolve",
     "write_pointer",
@@ -40,6 +51,74 @@ __all__ = [
 
 MANIFEST_FILENAME = "COMPLETE"
 _POINTER_KEY = "lightdist_checkpoint"
+
+
+# Option names that hold a secret (s3fs's key/secret/token, botocore's aws_*, passwords). gcsfs's ``token`` is allowed
+# where it names a method or a key file rather than holding the token itself.
+_CREDENTIAL_NAME = re.compile(r"^key$|secret|password|access_key|session_token|^token$")
+_GCS_TOKEN_METHODS = ("anon", "google_default", "cache", "cloud", "browser")
+
+
+def reject_credentials(storage_options: Mapping[str, Any], where: str = "storage_options") -> None:
+    """Refuse secrets in ``storage_options``: they would be saved with the run's config and logged with it."""
+    for name, value in storage_options.items():
+        if isinstance(value, Mapping):
+            reject_credentials(value, f"{where}[{name!r}]")
+        elif _CREDENTIAL_NAME.search(str(name).lower()) and not (
+            name == "token" and isinstance(value, str) and (value in _GCS_TOKEN_METHODS or value.endswith(".json"))
+        ):
+            raise ValueError(
+                f"{where}[{name!r}] is a credential, and storage_options are saved with the run's config and logged. "
+                "Give credentials through the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                "GOOGLE_APPLICATION_CREDENTIALS), a profile ({'s3': {'profile': 'name'}}) or a key file "
+                "({'gs': {'token': '/path/key.json'}})."
+            )
+
+
+def configure(storage_options: Mapping[str, Mapping[str, Any]]) -> None:
+    """Make ``storage_options`` ({protocol: {option: value}}) the defaults of fsspec's filesystems in this process.
+
+    fsspec's own configuration reaches every filesystem created afterwards for a checkpoint URL: lightdist's, DCP's
+    writers and readers, and those Lightning creates itself to find ``ckpt_path="last"`` before any strategy hook.
+    """
+    reject_credentials(storage_options)
+    for protocol, options in storage_options.items():
+        fsspec.config.conf.setdefault(protocol, {}).update(options)
+
+
+def check_writable(url: str) -> None:
+    """Write and delete a small object under ``url``, so that a missing bucket, missing credentials, an unreachable
+    endpoint or a read-only location fail at setup with the fix, not at the first save hours into training."""
+    fs, path = url_to_fs(url)
+    probe = posixpath.join(path, f".lightdist-write-check-{uuid.uuid4().hex}")
+    try:
+        if isinstance(fs, LocalFileSystem):  # object stores have no directories; their makedirs creates buckets
+            fs.makedirs(path, exist_ok=True)
+        fs.pipe_file(probe, b"")
+        fs.rm_file(probe)
+    except Exception as error:
+        raise ValueError(f"lightdist cannot write checkpoints to {url}: {_storage_fix(error, url)}") from error
+
+
+def _storage_fix(error: Exception, url: str) -> str:
+    """The storage problem ``error`` stands for, and what fixes it."""
+    kinds = " ".join(cls.__name__ for cls in type(error).__mro__)
+    if "Credentials" in kinds:
+        return (
+            f"{error}. Set the credentials in the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+            "AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS) or choose a profile in storage_options."
+        )
+    if isinstance(error, FileNotFoundError):
+        bucket = url.split("://", 1)[-1].split("/", 1)[0]
+        return f"{error}. Create the bucket {bucket!r} first, or correct the URL."
+    if isinstance(error, PermissionError):
+        return f"{error}. Grant these credentials write access there, or choose another dirpath."
+    if "Connection" in kinds or "Timeout" in kinds:
+        return (
+            f"{error}. Check the endpoint (AWS_ENDPOINT_URL, or storage_options' endpoint_url) and that the storage "
+            "is reachable from this machine."
+        )
+    return f"{type(error).__name__}: {error}. Choose a dirpath these processes can write to."
 
 
 def commit(url: str, metadata: bytes) -> None:
@@ -117,7 +196,12 @@ def remove(url: str) -> None:
 
 def load_sharded(state: dict[str, Any], url: str) -> None:
     """Fill ``state``'s tensors in place with this rank's share of the checkpoint at ``url`` (a collective)."""
-    dcp.load(state, storage_reader=FsspecReader(url))
+    dcp.load(state, storage_reader=reader(url))
+
+
+def reader(url: str) -> FsspecReader:
+    """DCP's reader for the checkpoint at ``url``."""
+    return FsspecReader(url)
 
 
 def read_metadata(url: str, *, weights_only: bool | None = None) -> dict[str, Any]:

@@ -6,11 +6,16 @@ Nothing is downloaded: ``config`` builds a randomly initialised model (``model_t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from torch import Tensor
 
 from lightdist.models.lm import CausalLM
 
-__all__ = ["HuggingFaceCausalLM"]
+__all__ = ["STATE_DICT_PREFIX", "HuggingFaceCausalLM", "pretrained_config"]
+
+STATE_DICT_PREFIX = "model."  # the LightningModule's names for the weights of its transformers model, ``self.model``
 
 
 class HuggingFaceCausalLM(CausalLM):
@@ -32,17 +37,33 @@ class HuggingFaceCausalLM(CausalLM):
     ) -> None:
         super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, warmup_steps=warmup_steps)
         self.save_hyperparameters()
-        try:
-            from transformers import AutoConfig, AutoModelForCausalLM
-        except ImportError as error:
-            raise ImportError("HuggingFaceCausalLM needs transformers: pip install 'lightdist[hf]'.") from error
         if (config is None) == (pretrained is None):
             raise ValueError("Pass exactly one of config (a random model) or pretrained (a local directory).")
+        transformers = _transformers()
         if pretrained is not None:
-            self.model = AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True)
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True)
         else:
-            options = dict(config)
-            self.model = AutoModelForCausalLM.from_config(AutoConfig.for_model(options.pop("model_type"), **options))
+            self.model = transformers.AutoModelForCausalLM.from_config(pretrained_config(self.hparams))
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.model(input_ids=tokens).logits
+
+
+def pretrained_config(hyperparameters: Mapping[str, Any]) -> Any:
+    """The ``transformers`` config of the model that a ``HuggingFaceCausalLM`` with these hyperparameters holds:
+    what a checkpoint's saved hyperparameters need to rebuild it, for export."""
+    transformers = _transformers()
+    if hyperparameters.get("pretrained") is not None:
+        return transformers.AutoConfig.from_pretrained(hyperparameters["pretrained"], local_files_only=True)
+    options = dict(hyperparameters.get("config") or {})
+    if "model_type" not in options:
+        raise ValueError("its hyperparameters have neither `pretrained` nor a `config` with a `model_type`.")
+    return transformers.AutoConfig.for_model(options.pop("model_type"), **options)
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as error:
+        raise ImportError("HuggingFaceCausalLM needs transformers: pip install 'lightdist[hf]'.") from error
+    return transformers

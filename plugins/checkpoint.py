@@ -11,6 +11,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightdist.plugins.strategy import ParallelStrategy
+from lightdist.storage import check_writable
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -27,12 +28,30 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     ``trainer.fit(ckpt_path="last")`` then finds it on ``s3://`` and ``gs://`` too, where Lightning's own search
     drops the protocol and silently starts from scratch.
 
+    Before ``fit`` trains, rank 0 writes and deletes a small object under ``dirpath``: a missing bucket, missing
+    credentials, an unreachable endpoint or a read-only directory fail then, each with its fix.
+
     Under any other strategy than ``ParallelStrategy`` it is Lightning's ``ModelCheckpoint`` unchanged.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._last_only_path = ""  # the state saved for last.ckpt alone, removed once last.ckpt names a newer one
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Before Lightning's own setup, whose first look into dirpath would meet the same problem with less to say.
+        if stage == "fit" and self.dirpath is not None and isinstance(trainer.strategy, ParallelStrategy):
+            problem = None
+            if trainer.is_global_zero:
+                try:
+                    check_writable(self.dirpath)
+                except ValueError as error:
+                    problem = str(error)
+            problem = trainer.strategy.broadcast(problem)
+            if problem is not None:
+                raise ValueError(problem)
+        super().setup(trainer, pl_module, stage)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -52,7 +52,7 @@ from lightdist.pipeline import (
 )
 from lightdist.plugins.pipeline import PipelineStep, TiedGradients
 from lightdist.sharding import ShardedOptimizer, ZeroStage, apply_data_parallel
-from lightdist.storage import load_sharded, read_metadata, resolve
+from lightdist.storage import configure, load_sharded, read_metadata, reject_credentials, resolve
 from lightdist.structure import DecoderStack, find_decoder_stack
 from lightdist.tensor_parallel import (
     TensorParallelStyle,
@@ -123,6 +123,9 @@ class ParallelStrategy(ModelParallelStrategy):
         async_checkpoint: How checkpoints saved during ``fit`` upload behind training once staged in CPU memory:
             ``"process"`` (DCP's daemon process per rank, free of the training process's GIL), ``"thread"``, or
             ``None`` to save before training goes on.
+        storage_options: fsspec options per protocol for checkpoint URLs, e.g. ``{"s3": {"endpoint_url": ...,
+            "profile": "training", "client_kwargs": {"region_name": "eu-west-1"}}}``; they become fsspec's
+            configuration in this process. Credentials are refused: they would be saved with the config.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; default: the device's own.
     """
 
@@ -144,6 +147,7 @@ class ParallelStrategy(ModelParallelStrategy):
         cpu_offload: bool = False,
         tp_plan: dict[str, TensorParallelStyle] | None = None,
         async_checkpoint: AsyncMode | None = "process",
+        storage_options: dict[str, dict[str, Any]] | None = None,
         process_group_backend: str | None = None,
     ) -> None:
         _validate_options(
@@ -157,6 +161,7 @@ class ParallelStrategy(ModelParallelStrategy):
             activation_checkpointing=activation_checkpointing,
             cpu_offload=cpu_offload,
             async_checkpoint=async_checkpoint,
+            storage_options=storage_options,
         )
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -177,6 +182,9 @@ class ParallelStrategy(ModelParallelStrategy):
         self._cpu_offload = cpu_offload
         self._tp_plan = tp_plan
         self._async_checkpoint = async_checkpoint
+        # Applied now: Lightning looks for ckpt_path="last" before any strategy hook runs. Every rank's process builds
+        # the strategy (the script runs in each, under torchrun and Lightning's launcher alike).
+        configure(storage_options or {})
         self._checkpoints: CheckpointSaver | None = None
         self._failed_saves_reported = 0
         self._layout: ParallelLayout | None = None
@@ -636,6 +644,7 @@ def _validate_options(
     activation_checkpointing: str | None,
     cpu_offload: bool,
     async_checkpoint: str | None,
+    storage_options: Any,
 ) -> None:
     """Reject impossible options when the strategy is built, before any process or tensor exists."""
     for name, size in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
@@ -683,6 +692,13 @@ def _validate_options(
             f"async_checkpoint={async_checkpoint!r} is not one of 'process' (upload from a daemon process per rank), "
             "'thread' (from a thread) or None (save before training goes on)."
         )
+    if storage_options is not None:
+        if not isinstance(storage_options, dict) or not all(isinstance(o, dict) for o in storage_options.values()):
+            raise ValueError(
+                f"storage_options={storage_options!r} must map a protocol to its fsspec options, e.g. "
+                "{'s3': {'endpoint_url': 'http://127.0.0.1:9000', 'profile': 'training'}}."
+            )
+        reject_credentials(storage_options)
     if cpu_offload and zero_stage < 2:
         raise ValueError(
             f"cpu_offload=True needs sharded parameters and gradients, but zero_stage={zero_stage}. "

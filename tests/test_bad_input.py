@@ -36,6 +36,15 @@ def test_world_size_must_equal_the_product_of_the_degrees() -> None:
         (dict(virtual_stages=2), r"pipeline_schedule='1f1b' runs one stage per rank, but virtual_stages=2. Use"),
         (dict(async_checkpoint="daemon"), r"async_checkpoint='daemon' is not one of 'process' \(upload from a daemon"),
         (
+            dict(storage_options={"s3": {"profile": "training", "secret": "abc"}}),
+            r"storage_options\['s3'\]\['secret'\] is a credential, .* saved with the run's config .* a profile",
+        ),
+        (
+            dict(storage_options={"s3": {"client_kwargs": {"aws_secret_access_key": "abc"}}}),
+            r"storage_options\['s3'\]\['client_kwargs'\]\['aws_secret_access_key'\] is a credential",
+        ),
+        (dict(storage_options={"endpoint_url": "http://x"}), r"must map a protocol to its fsspec options, e.g."),
+        (
             dict(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", microbatches=5),
             r"microbatches=5 must be a multiple of 2 rounds. Choose a multiple of 2",
         ),

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import fsspec
 import pytest
+from fsspec import AbstractFileSystem
+from lightning.pytorch import Callback
 
 from lightdist.plugins import ModelCheckpoint
 from lightdist.storage import commit, remove, resolve, write_pointer
@@ -96,3 +98,69 @@ class _Collect(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
+
+
+@pytest.mark.multirank
+def test_an_unusable_checkpoint_location_fails_before_training_with_the_fix(
+    tmp_path: Path, s3_endpoint: str, s3_bucket: tuple[str, AbstractFileSystem], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, storage = s3_bucket
+    # No endpoint and no credentials in the environment: the endpoint comes from storage_options, the credentials
+    # from a named profile, as a user's config would give them.
+    for name in ("AWS_ENDPOINT_URL", "FSSPEC_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    credentials = tmp_path / "aws-credentials"
+    credentials.write_text("[lightdist-test]\naws_access_key_id = testing\naws_secret_access_key = testing\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    s3 = {"endpoint_url": s3_endpoint}
+    with_profile = {**s3, "profile": "lightdist-test"}
+    # One attempt, where botocore and s3fs would retry the refused connection for 20 s
+    unreachable = {
+        **with_profile,
+        "endpoint_url": "http://127.0.0.1:9",
+        "config_kwargs": {"retries": {"total_max_attempts": 1}},
+    }
+    # The attempt without a profile goes first: storage_options add up in each rank's fsspec configuration.
+    attempts = [
+        (f"{url}/run", s3),
+        ("s3://lightdist-no-such-bucket/run", with_profile),
+        (f"{url}/run", unreachable),
+        (str(a_file / "run"), with_profile),
+        (f"{url}/run", with_profile),
+    ]
+    outcomes, _ = run_ranks(2, fit_into_each, attempts)
+
+    (no_credentials, steps), (no_bucket, _), (no_endpoint, _), (not_a_directory, _), (fine, trained) = outcomes
+    assert steps == 0 and "Unable to locate credentials. Set the credentials in the environment" in no_credentials
+    assert "Create the bucket 'lightdist-no-such-bucket' first, or correct the URL" in no_bucket
+    assert not storage.exists("lightdist-no-such-bucket")  # nothing created on the way
+    assert "Check the endpoint (AWS_ENDPOINT_URL, or storage_options' endpoint_url)" in no_endpoint
+    assert "a-file/run" in not_a_directory and "Choose a dirpath these processes can write to" in not_a_directory
+    # With the profile the run trains and saves, and the check left nothing behind.
+    assert fine is None and trained == 1
+    storage.invalidate_cache()
+    assert [path.rsplit("/", 1)[-1] for path in storage.ls(f"{url.split('://', 1)[1]}/run")] == ["epoch=0-step=1.ckpt"]
+
+
+def fit_into_each(attempts: list[tuple[str, dict]]) -> list[tuple[str | None, int]]:
+    """Each attempt's error, or None, and the steps it trained."""
+    outcomes = []
+    for dirpath, s3_options in attempts:
+        steps = _Steps()
+        try:
+            train(Case(strategy={"storage_options": {"s3": s3_options}}, steps=1), 2, [ModelCheckpoint(dirpath), steps])
+            outcomes.append((None, steps.count))
+        except ValueError as error:
+            outcomes.append((str(error), steps.count))
+    return outcomes
+
+
+class _Steps(Callback):
+    count = 0
+
+    def on_train_batch_end(self, *args) -> None:
+        self.count += 1

@@ -10,6 +10,7 @@ import pytest
 from lightning.pytorch import Trainer
 
 from lightdist.cli import main
+from lightdist.storage import resolve
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 QUICK = [
@@ -53,7 +54,9 @@ def test_config_trains_and_saves_a_sharded_checkpoint(tmp_path: Path, config: st
 def test_main_job_config_trains_3d_and_saves_every_ranks_shard(tmp_path: Path) -> None:
     run = lightdist_fit("3d_cpu.yaml", "--trainer.devices=8", cwd=tmp_path)  # pp=2 x dp=2 x tp=2
     assert run.returncode == 0, run.stderr[-3000:]
-    (checkpoint,) = (tmp_path / "runs").rglob("*.ckpt")
+    # Before its first checkpoint, ckpt_path="last" starts from scratch; at the end, last.ckpt names the final state.
+    checkpoint = Path(resolve(str(tmp_path / "runs/3d_cpu/checkpoints/last.ckpt")))
+    assert checkpoint.name == "last-step=3.ckpt"
     assert sorted(path.name for path in checkpoint.iterdir() if path.suffix == ".distcp") == [
         f"__{rank}_0.distcp" for rank in range(8)
     ]
