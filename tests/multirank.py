@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from lightdist.structure import find_decoder_stack
 from lightdist.tensor_parallel import apply_tensor_parallel, discover_plan
 
-__all__ = ["free_port", "run_ranks", "split_over_two_ranks"]
+__all__ = ["free_port", "raised", "run_each", "run_ranks", "split_over_two_ranks"]
 
 
 def free_port() -> int:
@@ -85,6 +85,22 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0)
     if errors:
         raise RuntimeError("\n".join(errors))
     return [outputs[rank] for rank in range(world_size)]
+
+
+def run_each(calls: list[tuple[Callable, tuple]]) -> list[Any]:
+    """Each ``fn(*args)`` in turn, in the same ranks: for ``run_ranks``, where starting the ranks is the slow part.
+
+    The process group the first call's Trainer creates serves every later one."""
+    return [fn(*args) for fn, args in calls]
+
+
+def raised(fn: Callable, *args: Any) -> str:
+    """What ``fn(*args)`` raised, as "Type: message": errors to check beside other calls of ``run_each``."""
+    try:
+        fn(*args)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    raise AssertionError(f"{fn.__name__}{args} raised nothing")
 
 
 @contextmanager

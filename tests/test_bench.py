@@ -39,3 +39,16 @@ def test_pipeline_bubble_benchmark_counts_microbatches_in_flight(tmp_path: Path)
     assert rows[("2", "gpipe", "4")] == "4.0"
     assert rows[("2", "1f1b", "4")] == "2.0"
     assert {schedule for _, schedule, _ in rows} == {"gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"}
+
+
+def test_checkpoint_stall_benchmark_times_every_kind_of_save(tmp_path: Path) -> None:
+    stall = BENCH.parent / "checkpoint_stall.py"
+    options = ["--preset", "tiny", "--seq-len", "16", "--local-only", "--async-checkpoint", "thread"]
+    run = subprocess.run(
+        [sys.executable, str(stall), *options], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    header, local = [line.split() for line in run.stdout.splitlines()[-2:]]
+    assert header[0] == "target" and local[0] == "local"
+    state_gigabytes, *seconds = (float(value) for value in local[1:6])
+    assert state_gigabytes > 0 and all(value > 0 for value in seconds)

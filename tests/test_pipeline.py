@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from functools import cache
+from typing import Any
+
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
@@ -11,7 +14,7 @@ from lightdist.models import Llama, TokenDataModule
 from lightdist.pipeline import balanced_split
 from lightdist.plugins import ParallelStrategy
 
-from multirank import run_ranks
+from multirank import run_each, run_ranks
 
 
 def test_stages_balance_parameters_counting_embeddings_and_head() -> None:
@@ -48,9 +51,8 @@ def validate(strategy: dict | None, devices: int) -> tuple[dict[str, float], lis
 @pytest.mark.multirank
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
 def test_validation_and_test_through_a_pipeline_match_one_process(schedule: str) -> None:
-    strategy = dict(pipeline_parallel_size=2, pipeline_schedule=schedule, microbatches=2)
-    (first, first_names), (last, last_names) = run_ranks(2, validate, strategy, 2)
-    ((single, _),) = run_ranks(1, validate, None, 1)
+    (first, first_names), (last, last_names) = pipeline_results()[f"validate_{schedule}"]
+    single, _ = single_process_results()["validate"]
 
     torch.testing.assert_close(first["val_loss"], single["val_loss"], rtol=1e-5, atol=0)
     torch.testing.assert_close(first["test_loss"], single["test_loss"], rtol=1e-5, atol=0)
@@ -85,9 +87,29 @@ def predict(strategy: dict | None, devices: int) -> torch.Tensor:
 @pytest.mark.multirank
 def test_predict_through_a_pipeline_matches_one_process() -> None:
     # Every argument of the model call reaches every stage, tensors cut into microbatches with the batch.
-    strategy = dict(pipeline_parallel_size=2, pipeline_schedule="zero_bubble", microbatches=2)  # 2 stages per rank
-    first, last = run_ranks(2, predict, strategy, 2)
-    (single,) = run_ranks(1, predict, None, 1)
+    first, last = pipeline_results()["predict_zero_bubble"]  # two stages per rank
+    single = single_process_results()["predict"]
     assert single.shape[-1] == 64  # logits over the vocabulary, for every window and position
     torch.testing.assert_close(last, single, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(first, last, rtol=0, atol=0)  # every rank returns the last stage's predictions
+
+
+PP2 = dict(pipeline_parallel_size=2, microbatches=2)
+
+
+@cache
+def pipeline_results() -> dict[str, tuple]:
+    """Each pipelined run above, all in one pair of ranks: rank 0's result (first stage) and rank 1's (last)."""
+    calls = {
+        f"validate_{schedule}": (validate, (dict(PP2, pipeline_schedule=schedule), 2))
+        for schedule in ("1f1b", "interleaved_1f1b")
+    }
+    calls["predict_zero_bubble"] = (predict, (dict(PP2, pipeline_schedule="zero_bubble"), 2))
+    first, last = run_ranks(2, run_each, list(calls.values()))
+    return dict(zip(calls, zip(first, last, strict=True), strict=True))
+
+
+@cache
+def single_process_results() -> dict[str, Any]:
+    validated, predicted = run_ranks(1, run_each, [(validate, (None, 1)), (predict, (None, 1))])[0]
+    return {"validate": validated, "predict": predicted}

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import Callback
 
 import training
-from multirank import run_ranks
+from multirank import run_each, run_ranks
 from training import Case
 
 pytestmark = pytest.mark.multirank
@@ -31,18 +31,29 @@ def train_and_record_dtypes(case: Case) -> tuple[training.Result, set[torch.dtyp
     return training.train(case, devices=2, callbacks=[probe]), probe.dtypes
 
 
+ZERO_STAGES = (1, 2, 3)
+STEPS = 3
+
+
 @cache
-def fp32_reference(steps: int, batch_size: int) -> training.Result:
+def bf16_results() -> dict[int, tuple[training.Result, set[torch.dtype]]]:
+    """A bf16 run per ZeRO stage, all in one pair of ranks."""
+    cases = [Case(strategy=dict(zero_stage=stage), precision="bf16-mixed", steps=STEPS) for stage in ZERO_STAGES]
+    results, _ = run_ranks(2, run_each, [(train_and_record_dtypes, (case,)) for case in cases])
+    return dict(zip(ZERO_STAGES, results, strict=True))
+
+
+@cache
+def fp32_reference() -> training.Result:
     """The single-process fp32 run every stage's bf16 run is compared with, trained once."""
-    (reference,) = run_ranks(1, training.train, Case(steps=steps, batch_size=batch_size))
+    (reference,) = run_ranks(1, training.train, Case(steps=STEPS, batch_size=2 * Case.batch_size))
     return reference
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+@pytest.mark.parametrize("zero_stage", ZERO_STAGES)
 def test_bf16_mixed_computes_in_bf16_and_keeps_fp32_weights(zero_stage: int) -> None:
-    case = Case(strategy=dict(zero_stage=zero_stage), precision="bf16-mixed", steps=3)
-    (result, dtypes), _ = run_ranks(2, train_and_record_dtypes, case)
-    reference = fp32_reference(case.steps, 2 * case.batch_size)
+    result, dtypes = bf16_results()[zero_stage]
+    reference = fp32_reference()
 
     assert dtypes == {torch.bfloat16}
     assert {tensor.dtype for tensor in result.params.values()} == {torch.float32}

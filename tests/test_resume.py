@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from fsspec import AbstractFileSystem
 
 from lightdist.plugins import ModelCheckpoint
 
-from multirank import run_ranks
+from multirank import run_each, run_ranks
 from training import Case, Result, StopAfter, train
 
 pytestmark = pytest.mark.multirank
@@ -22,47 +20,53 @@ def two_epochs(batch_size: int = 4, model: str = "llama", **strategy) -> Case:
     return Case(strategy=strategy, model=model, steps=2 * EPOCH, limit_train_batches=EPOCH, batch_size=batch_size)
 
 
+RESUMES = {
+    "zero0": (two_epochs(zero_stage=0), two_epochs(zero_stage=0)),
+    "zero1": (two_epochs(zero_stage=1), two_epochs(zero_stage=1)),  # each rank saves and loads its own share
+    "zero2": (two_epochs(zero_stage=2), two_epochs(zero_stage=2)),
+    "zero3": (two_epochs(zero_stage=3), two_epochs(zero_stage=3)),
+    "zero3_to_zero0": (two_epochs(zero_stage=3), two_epochs(zero_stage=0)),  # sharded on save, replicated on load
+    # layers split across 2 ranks on save, whole on each of 2 data-parallel ranks on load: same global batch
+    "tp2_to_dp2": (two_epochs(tensor_parallel_size=2), two_epochs(batch_size=2, zero_stage=3)),
+    # GPT-2's fused qkv rows reordered per rank on save (weights and Adam moments), in the model's order on load
+    "gpt2_fused_qkv_tp2_to_dp2": (
+        two_epochs(model="gpt2_no_bias", tensor_parallel_size=2),
+        two_epochs(model="gpt2_no_bias", batch_size=2, zero_stage=3),
+    ),
+    # two pipeline stages on save, each holding half the blocks; whole models on 2 data-parallel ranks on load
+    "pp2_to_dp2": (two_epochs(pipeline_parallel_size=2), two_epochs(batch_size=2, zero_stage=3)),
+    # optimizer state split by parameter on save, whole parameters split across 2 ranks on load
+    "dp2_zero1_to_tp2": (two_epochs(batch_size=2, zero_stage=1), two_epochs(tensor_parallel_size=2, zero_stage=3)),
+}
+
+
+_UNINTERRUPTED: dict[str, Result] = {}
+
+
+def uninterrupted(case: Case) -> Result:
+    """Trained once per case in these ranks: several saved layouts resume into the same one."""
+    if repr(case) not in _UNINTERRUPTED:  # a Case holds a dict of options: not hashable
+        _UNINTERRUPTED[repr(case)] = train(case, devices=2)
+    return _UNINTERRUPTED[repr(case)]
+
+
 def stop_and_resume(saved: Case, resumed: Case, checkpoint: str) -> tuple[Result, Result]:
-    uninterrupted = train(resumed, devices=2)
     train(saved, devices=2, callbacks=[StopAfter(EPOCH)], save_to=checkpoint)
-    return uninterrupted, train(resumed, devices=2, resume_from=checkpoint)
+    return uninterrupted(resumed), train(resumed, devices=2, resume_from=checkpoint)
 
 
-@pytest.mark.parametrize(
-    ("saved", "resumed"),
-    [
-        (two_epochs(zero_stage=0), two_epochs(zero_stage=0)),
-        (two_epochs(zero_stage=1), two_epochs(zero_stage=1)),  # each rank saves and loads its own share
-        (two_epochs(zero_stage=2), two_epochs(zero_stage=2)),
-        (two_epochs(zero_stage=3), two_epochs(zero_stage=3)),
-        (two_epochs(zero_stage=3), two_epochs(zero_stage=0)),  # sharded on save, replicated on load
-        # layers split across 2 ranks on save, whole on each of 2 data-parallel ranks on load: same global batch
-        (two_epochs(tensor_parallel_size=2), two_epochs(batch_size=2, zero_stage=3)),
-        # GPT-2's fused qkv rows reordered per rank on save (weights and Adam moments), in the model's order on load
-        (
-            two_epochs(model="gpt2_no_bias", tensor_parallel_size=2),
-            two_epochs(model="gpt2_no_bias", batch_size=2, zero_stage=3),
-        ),
-        # two pipeline stages on save, each holding half the blocks; whole models on 2 data-parallel ranks on load
-        (two_epochs(pipeline_parallel_size=2), two_epochs(batch_size=2, zero_stage=3)),
-        # optimizer state split by parameter on save, whole parameters split across 2 ranks on load
-        (two_epochs(batch_size=2, zero_stage=1), two_epochs(tensor_parallel_size=2, zero_stage=3)),
-    ],
-    ids=[
-        "zero0",
-        "zero1",
-        "zero2",
-        "zero3",
-        "zero3_to_zero0",
-        "tp2_to_dp2",
-        "gpt2_fused_qkv_tp2_to_dp2",
-        "pp2_to_dp2",
-        "dp2_zero1_to_tp2",
-    ],
-)
-def test_resumed_run_continues_the_uninterrupted_one(tmp_path: Path, saved: Case, resumed: Case) -> None:
-    (uninterrupted, resumed_run), _ = run_ranks(2, stop_and_resume, saved, resumed, str(tmp_path / "ckpt"))
-    assert_continues(uninterrupted, resumed_run)
+@pytest.fixture(scope="module")
+def resumed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Result, Result]]:
+    """Every pair above, in one pair of ranks: the uninterrupted run, and the run saved and resumed."""
+    root = tmp_path_factory.mktemp("resume")
+    calls = [(stop_and_resume, (saved, resumed, str(root / name))) for name, (saved, resumed) in RESUMES.items()]
+    results, _ = run_ranks(2, run_each, calls)
+    return dict(zip(RESUMES, results, strict=True))
+
+
+@pytest.mark.parametrize("name", RESUMES)
+def test_resumed_run_continues_the_uninterrupted_one(resumed_runs: dict[str, tuple[Result, Result]], name: str) -> None:
+    assert_continues(*resumed_runs[name])
 
 
 def test_run_resumed_from_s3_last_continues_the_uninterrupted_one(s3_bucket: tuple[str, AbstractFileSystem]) -> None:
@@ -97,9 +101,8 @@ def stop_and_resume_last(case: Case, run: str) -> tuple[Result, Result]:
             dirpath=run, every_n_train_steps=1, save_top_k=2, monitor="step", mode="max", save_last=True
         )
 
-    uninterrupted = train(case, devices=2)
     train(case, devices=2, callbacks=[StopAfter(EPOCH), keep_two_newest()])
-    return uninterrupted, train(case, devices=2, callbacks=[keep_two_newest()], resume_from="last")
+    return uninterrupted(case), train(case, devices=2, callbacks=[keep_two_newest()], resume_from="last")
 
 
 def assert_continues(uninterrupted: Result, resumed_run: Result) -> None:

@@ -1,0 +1,238 @@
+"""How long a checkpoint save stops training, beside a synchronous save of the same state, in one run.
+
+At one training step, for each target (local disk, and an S3 API server: moto's, started here on 127.0.0.1, unless
+``--s3-endpoint`` names another):
+
+1. lightdist: ``trainer.save_checkpoint`` inside ``fit``, as ``ModelCheckpoint`` calls it. It blocks while the state
+   is staged in CPU memory; the upload goes on behind training. Timed until the call returns (blocking) and until the
+   checkpoint is complete (upload). Saved twice: the first save also allocates the staging memory.
+2. ``dcp.save`` of the same state: torch's synchronous save.
+3. ``dcp.async_save`` with torch's defaults.
+4. ``fs.put`` of the same files from local disk: what the storage takes at best.
+
+    python bench/checkpoint_stall.py --preset 1b --precision bf16-mixed     # one GPU: 0.95B parameters, 11 GB state
+    python bench/checkpoint_stall.py --preset small --layers 24             # CPU: 104M parameters, 1.2 GB state
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import s3fs
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from fsspec.core import url_to_fs
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+from lightdist.models import Llama, TokenDataModule
+from lightdist.plugins import ParallelStrategy
+from lightdist.storage import is_complete
+
+
+@dataclass
+class Timings:
+    target: str
+    state_bytes: int = 0
+    lightdist_first_blocking: float = 0.0
+    lightdist_blocking: float = 0.0
+    lightdist_upload: float = 0.0
+    dcp_save: float = 0.0
+    dcp_async_blocking: float = 0.0
+    put: float = 0.0
+
+
+class SaveTimer(Callback):
+    """At ``at_step``, saves to every target in turn; training resumes once all are measured."""
+
+    def __init__(self, targets: dict[str, str], at_step: int) -> None:
+        self.targets, self.at_step = targets, at_step
+        self.results: list[Timings] = []
+        self.step_seconds: list[float] = []
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        _synchronize(pl_module.device)
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        _synchronize(pl_module.device)
+        self.step_seconds.append(time.perf_counter() - self._start)
+        if trainer.global_step != self.at_step:
+            return
+        group = dist.new_group(backend="gloo")  # DCP's collectives on CPU, as lightdist's own saves do
+        local_copy = None
+        for target, root in self.targets.items():
+            timings = Timings(target)
+            timings.lightdist_first_blocking, _ = _lightdist_save(trainer, f"{root}/lightdist-first")
+            timings.lightdist_blocking, timings.lightdist_upload = _lightdist_save(trainer, f"{root}/lightdist")
+            state = {
+                "state_dict": get_model_state_dict(pl_module),
+                "optimizer_0": get_optimizer_state_dict(pl_module, trainer.optimizers[0]),
+            }
+            start = time.perf_counter()
+            dcp.save(state, storage_writer=FsspecWriter(f"{root}/dcp-save"), process_group=group)
+            timings.dcp_save = time.perf_counter() - start
+            start = time.perf_counter()
+            upload = dcp.async_save(state, storage_writer=FsspecWriter(f"{root}/dcp-async"), process_group=group)
+            timings.dcp_async_blocking = time.perf_counter() - start
+            upload.result()
+            fs, path = url_to_fs(f"{root}/dcp-save")
+            timings.state_bytes = fs.du(path)
+            local_copy = local_copy or path
+            start = time.perf_counter()
+            fs.put(local_copy, f"{path.removesuffix('dcp-save')}put", recursive=True)
+            timings.put = time.perf_counter() - start
+            self.results.append(timings)
+
+
+def _lightdist_save(trainer: Trainer, url: str) -> tuple[float, float]:
+    start = time.perf_counter()
+    trainer.save_checkpoint(url)
+    blocking = time.perf_counter() - start
+    while not is_complete(url):
+        time.sleep(0.02)
+    return blocking, time.perf_counter() - start
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def moto_server() -> Iterator[str]:
+    """moto's S3 server on a free port of 127.0.0.1, in its own process so it never competes for this one's GIL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError(f"moto's S3 server did not start on 127.0.0.1:{port}") from None
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def s3_bucket(endpoint: str) -> str:
+    """A new bucket at ``endpoint``; the endpoint and test credentials go into the environment, where s3fs (in this
+    process and in DCP's upload process) finds them."""
+    os.environ.update({"AWS_ENDPOINT_URL": endpoint, "FSSPEC_S3_ENDPOINT_URL": endpoint})
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        os.environ.setdefault(name, "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    name = f"lightdist-bench-{uuid.uuid4().hex[:8]}"
+    s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True).mkdir(name)
+    return f"s3://{name}"
+
+
+def run(args: argparse.Namespace, targets: dict[str, str]) -> SaveTimer:
+    seed_everything(0)
+    config = {"n_layers": args.layers} if args.layers else None
+    model = Llama(preset=args.preset, config=config)
+    timer = SaveTimer(targets, at_step=args.save_at)
+    trainer = Trainer(
+        accelerator="auto",
+        devices=1,
+        strategy=ParallelStrategy(async_checkpoint=args.async_checkpoint),
+        precision=args.precision,
+        max_steps=args.save_at + 1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
+    trainer.fit(model, datamodule=TokenDataModule(seq_len=args.seq_len, batch_size=args.batch_size))
+    return timer
+
+
+COLUMNS = (
+    "state GB",
+    "sync save s",
+    "DCP async s",
+    "lightdist s",
+    "1st save s",
+    "of sync",
+    "upload GB/s",
+    "put GB/s",
+)
+
+
+def report(timer: SaveTimer) -> None:
+    """Blocking times (DCP async, lightdist, lightdist's first save) beside the synchronous save; lightdist's
+    background upload throughput beside fs.put's."""
+    steps = sorted(timer.step_seconds[1 : timer.at_step - 1])  # after the first, before the saves
+    print(f"training step without saves (median): {steps[len(steps) // 2]:.3f} s")
+    print(f"{'target':<8}" + "".join(f"{column:>14}" for column in COLUMNS))
+    for t in timer.results:
+        gigabytes = t.state_bytes / 1e9
+        row = (
+            f"{gigabytes:.3f}",
+            f"{t.dcp_save:.2f}",
+            f"{t.dcp_async_blocking:.2f}",
+            f"{t.lightdist_blocking:.3f}",
+            f"{t.lightdist_first_blocking:.3f}",
+            f"{t.lightdist_blocking / t.dcp_save:.1%}",
+            f"{gigabytes / t.lightdist_upload:.2f}",
+            f"{gigabytes / t.put:.2f}",
+        )
+        print(f"{t.target:<8}" + "".join(f"{value:>14}" for value in row))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--layers", type=int, default=None, help="override the preset's number of blocks")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--save-at", type=int, default=3, help="the training step after which to save")
+    parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
+    parser.add_argument("--async-checkpoint", default="process", choices=["process", "thread"])
+    parser.add_argument("--local-only", action="store_true", help="leave out the S3 target")
+    parser.add_argument("--local-dir", default=None, help="where the local saves go (default: a temporary folder)")
+    parser.add_argument("--s3-endpoint", default=None, help="an S3 API endpoint (default: start moto's server)")
+    args = parser.parse_args()
+    if args.save_at < 3:
+        parser.error(f"--save-at={args.save_at}: give at least 3, so that a step after the first times training alone")
+
+    scratch = args.local_dir or tempfile.mkdtemp(prefix="lightdist-bench-")
+    try:
+        with ExitStack() as servers:
+            targets = {"local": scratch}  # first: its files are the source of every target's fs.put
+            if not args.local_only:
+                targets["s3"] = s3_bucket(args.s3_endpoint or servers.enter_context(moto_server()))
+            report(run(args, targets))
+    finally:
+        if args.local_dir is None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
