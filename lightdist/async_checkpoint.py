@@ -1,10 +1,13 @@
-"""Checkpoint saves that return once the state is staged in CPU memory, with the upload running behind training.
+"""Checkpoint saves that barely pause training: the state is copied to CPU memory and uploaded behind training.
 
-At most one save is in flight: a new save first waits for the previous upload, so staged copies never pile up. Rank 0
-does everything that must follow an upload, one job at a time and in the order it was asked: commit the checkpoint
-once every rank's shards are written, then removals and pointers. So a removal (retention) runs only after a newer
-checkpoint is complete and a pointer never names an incomplete one. A save that fails is logged on every rank that
-saw it; training goes on, and removals wait for the next save that succeeds, so the last good checkpoint stays.
+The copy (staging) runs in a background thread while the next step computes its forward and backward, which read
+the parameters and optimizer state but do not change them; the owner calls ``wait_for_staging`` before the optimizer
+changes them. At most one save is in flight: a new save first waits for the previous upload, so staged copies never
+pile up. Rank 0 does everything that must follow an upload, one job at a time and in the order it was asked: commit
+the checkpoint once every rank's shards are written, then removals and pointers. So a removal (retention) runs only
+after a newer checkpoint is complete and a pointer never names an incomplete one. A save that fails is logged on
+every rank that saw it; training goes on, and removals wait for the next save that succeeds, so the last good
+checkpoint stays.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class CheckpointSaver:
         self._mode = mode
         self._group: dist.ProcessGroup | None = None
         self._stager: DefaultStager | None = None
+        self._staging: Future | None = None
         self._upload: Future | None = None
         # Rank 0's ordered jobs, and what they share (touched only by that one worker thread).
         self._jobs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightdist-checkpoint")
@@ -54,8 +58,10 @@ class CheckpointSaver:
     def save(self, state: dict[str, Any], url: str, metadata: dict[str, Any] | None, *, background: bool) -> None:
         """Save ``state`` (every rank's shards) to ``url``; rank 0 passes Lightning's ``metadata``. A collective.
 
-        ``background=False`` returns once the checkpoint is complete and raises if it could not be saved: for the
-        saves a user waits for, such as ``trainer.save_checkpoint`` after ``fit``.
+        ``background=True`` returns before the state is even staged: the caller must call ``wait_for_staging``
+        before it changes any tensor in ``state``. ``background=False`` returns once the checkpoint is complete and
+        raises if it could not be saved: for the saves a user waits for, such as ``trainer.save_checkpoint`` after
+        ``fit``.
         """
         self.wait()
         if self._group is None:
@@ -78,7 +84,10 @@ class CheckpointSaver:
             self._upload = Future()
             self._upload.set_exception(error)
         elif background:
-            self._upload = dcp.async_save(
+            if torch.cuda.is_available():
+                # Staging copies on its own stream: the optimizer step's kernels must have written their results.
+                torch.cuda.current_stream().synchronize()
+            response = dcp.async_save(
                 state,
                 storage_writer=writer,
                 process_group=self._group,
@@ -87,6 +96,7 @@ class CheckpointSaver:
                 else AsyncCheckpointerType.THREAD,
                 async_stager=self._staging_area(),
             )
+            self._staging, self._upload = response.staging_completion, response.upload_completion
         else:
             dcp.save(state, storage_writer=writer, process_group=self._group)
         if metadata is not None:
@@ -104,8 +114,15 @@ class CheckpointSaver:
         """Make ``pointer_url`` name ``checkpoint_url`` once that checkpoint is complete. Rank 0 only."""
         self._submit(self._point, pointer_url, checkpoint_url)
 
+    def wait_for_staging(self) -> None:
+        """Return once the state of the save in flight is copied: from then on training may change it."""
+        if self._staging is not None:
+            self._staging.exception()  # a failure is the upload's too, and reported with it
+            self._staging = None
+
     def wait(self) -> None:
         """Return once this rank's upload and rank 0's jobs so far are done; failures are logged, never raised."""
+        self.wait_for_staging()
         if self._upload is not None:
             error = self._upload.exception()
             self._upload = None
@@ -118,12 +135,11 @@ class CheckpointSaver:
         if self._stager is None:
             cuda = torch.cuda.is_available()
             # Pinned memory makes the device-to-host copy fast; shared memory hands it to the daemon process
-            # without a second copy. Staging itself is synchronous: once save returns, training may change the
-            # parameters.
+            # without a second copy. The copy buffers are kept from one save to the next.
             options = StagingOptions(
                 use_pinned_memory=cuda,
                 use_shared_memory=self._mode == "process",
-                use_async_staging=False,
+                use_async_staging=True,
                 use_non_blocking_copy=cuda,
             )
             self._stager = DefaultStager(options)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
@@ -264,6 +264,21 @@ class ParallelStrategy(ModelParallelStrategy):
             self._shard_optimizer_states()
 
     @override
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any
+    ) -> Any:
+        """Step once a checkpoint save in flight has copied the state: the copy overlaps the forward and backward in
+        ``closure``, which the optimizer runs before it changes the parameters."""
+
+        def closure_then_wait_for_staging() -> Any:
+            loss = closure()
+            if self._checkpoints is not None:
+                self._checkpoints.wait_for_staging()
+            return loss
+
+        return super().optimizer_step(optimizer, closure_then_wait_for_staging, model, **kwargs)
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         if self._pipeline_step is not None:
             batch, batch_idx = args[0], args[1]
@@ -349,11 +364,12 @@ class ParallelStrategy(ModelParallelStrategy):
             return
         if storage_options is not None:
             raise TypeError(
-                "ParallelStrategy.save_checkpoint(..., storage_options=...) is not supported: endpoints and "
-                "credentials come from the environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) or fsspec's config."
+                "ParallelStrategy.save_checkpoint(..., storage_options=...) is not supported: set endpoints and "
+                "profiles once with ParallelStrategy(storage_options={'s3': {...}}); credentials come from the "
+                "environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) or the profile."
             )
         url = self.broadcast(str(filepath))  # rank 0's path, so every rank writes into one checkpoint
-        state = {"state_dict": checkpoint.pop("state_dict")}
+        state = {"state_dict": _buffers_copied(self.lightning_module, checkpoint.pop("state_dict"))}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         trainer = self.lightning_module.trainer
         self._checkpoint_saver.save(
@@ -449,8 +465,10 @@ class ParallelStrategy(ModelParallelStrategy):
 
     @property
     def _saving_options(self) -> StateDictOptions:
-        # Keyed by the LightningModule's own names, sharded per rank unless a full checkpoint was asked for.
-        return StateDictOptions(full_state_dict=not self._save_distributed_checkpoint, cpu_offload=True)
+        # Keyed by the LightningModule's own names, sharded per rank unless a full checkpoint was asked for (gathered
+        # on rank 0's CPU). Sharded tensors stay where they are: staging copies them to CPU memory behind training.
+        full = not self._save_distributed_checkpoint
+        return StateDictOptions(full_state_dict=full, cpu_offload=full)
 
     def _share_cpu_threads(self) -> None:
         """Give each local rank its share of the cores, unless the user chose OMP_NUM_THREADS.
@@ -619,6 +637,23 @@ _SCHEDULES = {
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zero_bubble": ScheduleInterleavedZeroBubble,
 }
+
+
+def _buffers_copied(module: nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with copies of ``module``'s buffers in place of the buffers themselves.
+
+    A background save copies the state while the next step runs its forward and backward: they leave parameters and
+    optimizer state alone, but a forward may update buffers (BatchNorm's running statistics). Buffers are small.
+    """
+
+    def address(tensor: Tensor) -> int:
+        return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).data_ptr()
+
+    buffers = {address(buffer) for buffer in module.buffers()}
+    return {
+        name: value.clone() if isinstance(value, Tensor) and address(value) in buffers else value
+        for name, value in state_dict.items()
+    }
 
 
 def _identity(x: Tensor) -> Tensor:

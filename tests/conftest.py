@@ -1,7 +1,7 @@
 """Real storage servers for the tests, started by the tests themselves on 127.0.0.1.
 
-Each server's endpoint and test credentials go into the environment, where s3fs finds them, in this process and in
-the ranks it starts.
+Each server's endpoint and test credentials go into the environment, where s3fs and gcsfs find them, in this
+process and in the ranks it starts.
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import s3fs
 from fsspec import AbstractFileSystem
+from gcsfs.core import GCSFileSystem
 
 from multirank import free_port
 
@@ -36,11 +38,9 @@ def _environment(variables: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-@pytest.fixture
-def s3_endpoint() -> Iterator[str]:
-    """moto's S3 server, stopped and its variables unset after the test."""
-    port = free_port()
-    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+@contextmanager
+def _server(command: list[str], port: int, name: str) -> Iterator[str]:
+    """Run ``command``, a server listening on 127.0.0.1:``port``; its URL once it accepts connections."""
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while True:
@@ -50,20 +50,30 @@ def s3_endpoint() -> Iterator[str]:
         except OSError:
             if time.monotonic() > deadline or server.poll() is not None:
                 server.kill()
-                raise RuntimeError(f"moto's S3 server did not start on 127.0.0.1:{port}") from None
+                raise RuntimeError(f"{name} did not start on 127.0.0.1:{port}") from None
             time.sleep(0.1)
-    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+@pytest.fixture
+def s3_endpoint() -> Iterator[str]:
+    """moto's S3 server, stopped and its variables unset after the test."""
+    port = free_port()
+    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
     credentials = {
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_DEFAULT_REGION": "us-east-1",
     }
-    try:
-        with _environment({"AWS_ENDPOINT_URL": endpoint, "FSSPEC_S3_ENDPOINT_URL": endpoint, **credentials}):
-            yield endpoint
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
+    with (
+        _server(command, port, "moto's S3 server") as endpoint,
+        _environment({"AWS_ENDPOINT_URL": endpoint, "FSSPEC_S3_ENDPOINT_URL": endpoint, **credentials}),
+    ):
+        yield endpoint
 
 
 @pytest.fixture
@@ -73,3 +83,28 @@ def s3_bucket(s3_endpoint: str) -> tuple[str, AbstractFileSystem]:
     name = f"lightdist-{uuid.uuid4().hex[:12]}"
     s3.mkdir(name)
     return f"s3://{name}", s3
+
+
+@pytest.fixture
+def gcs_bucket() -> Iterator[tuple[str, AbstractFileSystem]]:
+    """A new, empty bucket on a GCS emulator (gcp-storage-emulator, see gcs_emulator.py), and a filesystem to look
+    into it. gcsfs finds the emulator through STORAGE_EMULATOR_HOST, connects without credentials (token "anon"
+    through fsspec's configuration, rather than after 16 s of looking for Google's), and must not ask the emulator
+    for the bucket's layout over gRPC, which it cannot answer."""
+    port = free_port()
+    command = [sys.executable, str(Path(__file__).with_name("gcs_emulator.py")), str(port)]
+    with (
+        _server(command, port, "the GCS emulator") as endpoint,
+        _environment(
+            {
+                "STORAGE_EMULATOR_HOST": endpoint,
+                "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+                "FSSPEC_GCS_TOKEN": "anon",
+            }
+        ),
+    ):
+        # gcsfs.GCSFileSystem was chosen when gcsfs was imported, before the variable was set: the JSON API's own.
+        gcs = GCSFileSystem(token="anon", skip_instance_cache=True)
+        name = f"lightdist-{uuid.uuid4().hex[:12]}"
+        gcs.mkdir(name)
+        yield f"gs://{name}", gcs

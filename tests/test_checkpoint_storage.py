@@ -7,10 +7,14 @@ from pathlib import Path
 
 import fsspec
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 from fsspec import AbstractFileSystem
-from lightning.pytorch import Callback
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
 
-from lightdist.plugins import ModelCheckpoint
+from lightdist.plugins import ModelCheckpoint, ParallelStrategy
 from lightdist.storage import commit, remove, resolve, write_pointer
 
 from multirank import run_ranks
@@ -164,3 +168,71 @@ class _Steps(Callback):
 
     def on_train_batch_end(self, *args) -> None:
         self.count += 1
+
+
+class _LowerByLearningRate(torch.optim.Optimizer):
+    """Lowers every parameter by ``lr`` at each step, whatever its gradient."""
+
+    def __init__(self, params, lr: float = 1.0) -> None:
+        super().__init__(params, defaults={"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        if closure is not None:
+            closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.sub_(group["lr"])
+
+
+LAYERS = 500
+
+
+class _SavingInTrainingStep(LightningModule):
+    """Saves a checkpoint in each training step, just before the optimizer lowers every parameter by exactly 1.
+
+    The backward in between hardly computes, and the copy of the state for the save takes long (many tensors), so
+    an optimizer step that did not wait for the copy would change tensors not yet copied: a checkpoint holding
+    anything but -step everywhere was copied after the step changed it.
+    """
+
+    def __init__(self, checkpoints: Path) -> None:
+        super().__init__()
+        self.checkpoints = checkpoints
+        self.layers = nn.ModuleList(nn.Linear(8, 8, bias=False) for _ in range(LAYERS))
+        for layer in self.layers:
+            nn.init.zeros_(layer.weight)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        self.trainer.save_checkpoint(self.checkpoints / f"step={self.global_step}")
+        return (self.scale * batch).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return _LowerByLearningRate(self.layers.parameters())
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(torch.zeros(8, 1))
+
+
+def test_a_background_save_holds_the_state_of_its_step(tmp_path: Path) -> None:
+    run_ranks(1, save_in_each_training_step, tmp_path)
+    for step in range(2):
+        saved = {"state_dict": {f"layers.{i}.weight": torch.empty(8, 8) for i in range(LAYERS)}}
+        dcp.load(saved, checkpoint_id=str(tmp_path / f"step={step}"))
+        for name, weight in saved["state_dict"].items():
+            assert torch.equal(weight, torch.full_like(weight, -step)), f"{name} at step {step}"
+
+
+def save_in_each_training_step(checkpoints: Path) -> None:
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ParallelStrategy(zero_stage=0, async_checkpoint="thread"),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(_SavingInTrainingStep(checkpoints))

@@ -71,38 +71,51 @@ def test_resumed_run_continues_the_uninterrupted_one(resumed_runs: dict[str, tup
 
 def test_run_resumed_from_s3_last_continues_the_uninterrupted_one(s3_bucket: tuple[str, AbstractFileSystem]) -> None:
     url, storage = s3_bucket
-    run = f"{url}/run"
-    (uninterrupted, resumed_run), _ = run_ranks(2, stop_and_resume_last, two_epochs(), run)
+    (uninterrupted, resumed_run), _ = run_ranks(2, stop_and_resume_last, two_epochs(), two_epochs(), f"{url}/run")
     assert_continues(uninterrupted, resumed_run)
-    # Every step saved in the background; the two newest stayed, each complete, and last.ckpt names the newest.
-    # Each rank wrote its own shard straight to the bucket; Lightning's loop state sits beside them.
+    assert_two_newest_complete(storage, f"{url}/run")
+
+
+def test_run_saved_to_gcs_by_tensor_parallel_ranks_resumes_on_data_parallel_ones(
+    gcs_bucket: tuple[str, AbstractFileSystem],
+) -> None:
+    url, storage = gcs_bucket
+    saved, resumed = RESUMES["tp2_to_dp2"]
+    (uninterrupted, resumed_run), _ = run_ranks(2, stop_and_resume_last, saved, resumed, f"{url}/run")
+    assert_continues(uninterrupted, resumed_run)
+    assert_two_newest_complete(storage, f"{url}/run")
+
+
+def assert_two_newest_complete(storage: AbstractFileSystem, run: str) -> None:
+    """Every step saved in the background; the two newest stayed, each complete, and last.ckpt names the newest.
+    Each rank wrote its own shard straight to the bucket; Lightning's loop state sits beside them."""
+    run = run.split("://", 1)[1]
     storage.invalidate_cache()
-    assert sorted(path.rsplit("/", 1)[-1] for path in storage.ls(run.split("://", 1)[1])) == [
+    assert sorted(path.rsplit("/", 1)[-1] for path in storage.ls(run)) == [
         "epoch=1-step=5.ckpt",
         "epoch=1-step=6.ckpt",
         "last.ckpt",
     ]
-    newest = f"{run.split('://', 1)[1]}/epoch=1-step=6.ckpt"
-    assert {path.rsplit("/", 1)[-1] for path in storage.ls(newest)} == {
+    assert {path.rsplit("/", 1)[-1] for path in storage.ls(f"{run}/epoch=1-step=6.ckpt")} == {
         "__0_0.distcp",
         "__1_0.distcp",
         ".metadata",
         "meta.pt",
         "COMPLETE",
     }
-    assert storage.cat(f"{run.split('://', 1)[1]}/last.ckpt") == b'{"lightdist_checkpoint": "epoch=1-step=6.ckpt"}'
+    assert storage.cat(f"{run}/last.ckpt") == b'{"lightdist_checkpoint": "epoch=1-step=6.ckpt"}'
 
 
-def stop_and_resume_last(case: Case, run: str) -> tuple[Result, Result]:
-    """The run a user launches again after preemption: the same command, ``ckpt_path="last"``."""
+def stop_and_resume_last(saved: Case, resumed: Case, run: str) -> tuple[Result, Result]:
+    """The run a user launches again after preemption, with ``ckpt_path="last"``, here perhaps in another layout."""
 
     def keep_two_newest() -> ModelCheckpoint:
         return ModelCheckpoint(
             dirpath=run, every_n_train_steps=1, save_top_k=2, monitor="step", mode="max", save_last=True
         )
 
-    train(case, devices=2, callbacks=[StopAfter(EPOCH), keep_two_newest()])
-    return uninterrupted(case), train(case, devices=2, callbacks=[keep_two_newest()], resume_from="last")
+    train(saved, devices=2, callbacks=[StopAfter(EPOCH), keep_two_newest()])
+    return uninterrupted(resumed), train(resumed, devices=2, callbacks=[keep_two_newest()], resume_from="last")
 
 
 def assert_continues(uninterrupted: Result, resumed_run: Result) -> None:
