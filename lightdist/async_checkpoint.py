@@ -51,6 +51,7 @@ class CheckpointSaver:
         self._last_job: Future | None = None
         self._commits_here = False
         self._last_save_ok = True
+        self._failed_saves: set[str] = set()
         self._removals_waiting: list[str] = []
         self._pointers: dict[str, str] = {}  # pointer URL -> the checkpoint it names
         self.failures: list[str] = []
@@ -70,15 +71,22 @@ class CheckpointSaver:
             self._group = dist.new_group(backend="gloo")
         background = background and self._mode is not None
         self._commits_here = metadata is not None
+        # Storage faults here fail this save like any upload's: training must not die of a bucket's bad minute.
+        error: Exception | None = None
         if self._commits_here:
-            remove(url)  # a checkpoint saved under this name before: its files must not mix with this one's
+            try:
+                remove(url)  # a checkpoint saved under this name before: its files must not mix with this one's
+            except Exception as raised:
+                error = raised
         dist.barrier(group=self._group)
-        try:
-            writer, error = FsspecWriter(url), None  # creates the directory: where an unwritable URL fails first
-        except Exception as raised:
-            writer, error = None, raised
+        writer = None
+        if error is None:
+            try:
+                writer = FsspecWriter(url)  # creates the directory: where an unwritable URL fails first
+            except Exception as raised:
+                error = raised
         if not _on_every_rank(writer is not None, self._group):
-            error = error or RuntimeError("another rank could not create it")
+            error = error or RuntimeError("another rank could not prepare it")
             if not background:
                 raise RuntimeError(f"lightdist: the checkpoint at {url} could not be saved: {error}") from error
             self._upload = Future()
@@ -155,9 +163,11 @@ class CheckpointSaver:
             commit(url, metadata)
         except (Exception, CheckpointException) as error:  # DCP's own is a BaseException
             self._last_save_ok = False
+            self._failed_saves.add(url)
             self._report(f"the checkpoint at {url} could not be saved: {error}")
             return
         self._last_save_ok = True
+        self._failed_saves.discard(url)
         self._retry_removals()
 
     def _remove(self, url: str) -> None:
@@ -169,11 +179,15 @@ class CheckpointSaver:
         try:
             remove(url)
         except Exception as error:
-            log.warning("lightdist: could not remove the old checkpoint at %s: %s", url, error)
+            self._removals_waiting.append(url)
+            log.warning(
+                "lightdist: could not remove the old checkpoint at %s, tried again after the next save: %s", url, error
+            )
 
     def _point(self, pointer_url: str, checkpoint_url: str) -> None:
         try:
-            if not is_complete(checkpoint_url):  # its save failed, and was reported
+            # Its save failed, and was reported; asking the storage may take long where it is the storage that failed.
+            if checkpoint_url in self._failed_saves or not is_complete(checkpoint_url):
                 return
             write_pointer(pointer_url, checkpoint_url)
         except Exception as error:

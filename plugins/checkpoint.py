@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -11,12 +12,14 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightdist.plugins.strategy import ParallelStrategy
-from lightdist.storage import check_writable
+from lightdist.storage import check_writable, is_complete
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["ModelCheckpoint"]
+
+log = logging.getLogger(__name__)
 
 
 class ModelCheckpoint(_LightningModelCheckpoint):
@@ -79,6 +82,24 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             self._last_only_path = ""
         self.last_model_path = self._path(self.CHECKPOINT_NAME_LAST)
         trainer.strategy.point_checkpoint(self.last_model_path, self._last_checkpoint_saved)
+
+    @override
+    def file_exists(self, filepath: str, trainer: pl.Trainer) -> bool:
+        """Whether a checkpoint named ``filepath`` is already there, which Lightning then saves beside as ``-v1``.
+
+        Only a complete checkpoint (or a pointer) counts: what a save cut short left under the name holds nothing to
+        keep, and this save replaces it. A storage fault counts as nothing there, so that the save goes ahead, fails
+        in turn and is reported, rather than training failing here on the way to it.
+        """
+        if not isinstance(trainer.strategy, ParallelStrategy):
+            return super().file_exists(filepath, trainer)
+        there = False
+        if trainer.is_global_zero:
+            try:
+                there = self._fs.isfile(filepath) or is_complete(filepath)
+            except Exception as error:
+                log.warning("lightdist: could not look for a checkpoint at %s: %s", filepath, error)
+        return trainer.strategy.reduce_boolean_decision(there, all=False)
 
     @override
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:

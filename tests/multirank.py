@@ -6,10 +6,14 @@ processes created externally and launches nothing itself.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing as mp
 import os
+import queue
+import signal
 import socket
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,6 +37,7 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+    os.setsid()  # a process group of its own, so that ending the rank ends the checkpoint daemon it starts too
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -54,7 +59,8 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
 
 
 def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0) -> list[Any]:
-    """``fn(*args)`` on ``world_size`` ranks; returns each rank's result in rank order, or raises a rank's error.
+    """``fn(*args)`` on ``world_size`` ranks; returns each rank's result in rank order, or raises a rank's error, or
+    names the rank that was killed (as a launcher would see it, when a rank dies without a word).
 
     ``fn`` must be importable (defined at module level) because ranks are started with ``spawn``.
     """
@@ -69,22 +75,41 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0)
         proc.start()
     outputs: dict[int, Any] = {}
     errors: list[str] = []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in procs:
-            rank, value, error = results.get(timeout=timeout)
+        while len(outputs) < world_size and not errors and not _killed(procs):
+            try:
+                rank, value, error = results.get(timeout=1)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    errors.append(f"no result from every rank within {timeout:.0f} s")
+                continue
             if error is not None:
                 errors.append(f"rank {rank}:\n{error}")
-                break
-            outputs[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                outputs[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
+        failed = len(outputs) < world_size
         for proc in procs:
-            proc.join(timeout=5 if errors else 60)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            proc.join(timeout=5 if failed else 60)
+        errors = _killed(procs) + errors
+        for proc in procs:
+            if failed or proc.is_alive():
+                with contextlib.suppress(ProcessLookupError):  # the rank, if alive, and its checkpoint daemon
+                    os.killpg(proc.pid, signal.SIGKILL)
+            proc.join()
     if errors:
         raise RuntimeError("\n".join(errors))
     return [outputs[rank] for rank in range(world_size)]
+
+
+def _killed(procs: list[mp.Process]) -> list[str]:
+    """The ranks that a signal ended: they could not say so themselves."""
+    return [
+        f"rank {rank} was killed by {signal.Signals(-proc.exitcode).name}"
+        for rank, proc in enumerate(procs)
+        if proc.exitcode is not None and proc.exitcode < 0
+    ]
 
 
 def run_each(calls: list[tuple[Callable, tuple]]) -> list[Any]:
