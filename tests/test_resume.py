@@ -6,10 +6,8 @@ import pytest
 import torch
 from fsspec import AbstractFileSystem
 
-from lightdist.plugins import ModelCheckpoint
-
 from multirank import run_each, run_ranks
-from training import Case, Result, StopAfter, train
+from training import Case, Result, StopAfter, keep_two_newest, train
 
 pytestmark = pytest.mark.multirank
 
@@ -43,10 +41,10 @@ RESUMES = {
 _UNINTERRUPTED: dict[str, Result] = {}
 
 
-def uninterrupted(case: Case) -> Result:
+def uninterrupted(case: Case, devices: int = 2) -> Result:
     """Trained once per case in these ranks: several saved layouts resume into the same one."""
     if repr(case) not in _UNINTERRUPTED:  # a Case holds a dict of options: not hashable
-        _UNINTERRUPTED[repr(case)] = train(case, devices=2)
+        _UNINTERRUPTED[repr(case)] = train(case, devices)
     return _UNINTERRUPTED[repr(case)]
 
 
@@ -69,24 +67,33 @@ def test_resumed_run_continues_the_uninterrupted_one(resumed_runs: dict[str, tup
     assert_continues(*resumed_runs[name])
 
 
-def test_run_resumed_from_s3_last_continues_the_uninterrupted_one(s3_bucket: tuple[str, AbstractFileSystem]) -> None:
-    url, storage = s3_bucket
-    (uninterrupted, resumed_run), _ = run_ranks(2, stop_and_resume_last, two_epochs(), two_epochs(), f"{url}/run")
-    assert_continues(uninterrupted, resumed_run)
-    assert_two_newest_complete(storage, f"{url}/run")
-
-
-def test_run_saved_to_gcs_by_tensor_parallel_ranks_resumes_on_data_parallel_ones(
-    gcs_bucket: tuple[str, AbstractFileSystem],
+def test_run_saved_to_s3_and_gcs_by_four_ranks_resumes_from_last_on_four_and_on_two(
+    s3_bucket: tuple[str, AbstractFileSystem], gcs_bucket: tuple[str, AbstractFileSystem]
 ) -> None:
-    url, storage = gcs_bucket
-    saved, resumed = RESUMES["tp2_to_dp2"]
-    (uninterrupted, resumed_run), _ = run_ranks(2, stop_and_resume_last, saved, resumed, f"{url}/run")
-    assert_continues(uninterrupted, resumed_run)
-    assert_two_newest_complete(storage, f"{url}/run")
+    """Saved in the background every step by 2 data-parallel x 2 tensor-parallel ranks, to a bucket on each of S3
+    and GCS; the run is stopped midway and launched again with ``ckpt_path="last"``, from S3 in the same layout
+    and from GCS on 2 data-parallel ranks."""
+    (s3, s3_storage), (gcs, gcs_storage) = s3_bucket, gcs_bucket
+    s3_run, gcs_run = f"{s3}/run", f"{gcs}/run"
+    on_four = two_epochs(tensor_parallel_size=2, async_checkpoint="thread")
+    on_two = two_epochs(zero_stage=3, async_checkpoint="thread")  # the same global batch: 2 ranks x 4 windows
+    calls = [
+        (stop_saving_to, (on_four, s3_run, 4)),
+        (stop_saving_to, (on_four, gcs_run, 4)),
+        (uninterrupted, (on_four, 4)),
+        (resume, (on_four, s3_run, 4)),
+    ]
+    (_, _, uninterrupted_on_four, resumed_on_four), *_ = run_ranks(4, run_each, calls)
+    (uninterrupted_on_two, resumed_on_two), _ = run_ranks(
+        2, run_each, [(uninterrupted, (on_two,)), (resume, (on_two, gcs_run, 2))]
+    )
+    assert_continues(uninterrupted_on_four, resumed_on_four)
+    assert_continues(uninterrupted_on_two, resumed_on_two)
+    assert_two_newest_complete(s3_storage, s3_run, ranks=4)
+    assert_two_newest_complete(gcs_storage, gcs_run, ranks=2)
 
 
-def assert_two_newest_complete(storage: AbstractFileSystem, run: str) -> None:
+def assert_two_newest_complete(storage: AbstractFileSystem, run: str, ranks: int) -> None:
     """Every step saved in the background; the two newest stayed, each complete, and last.ckpt names the newest.
     Each rank wrote its own shard straight to the bucket; Lightning's loop state sits beside them."""
     run = run.split("://", 1)[1]
@@ -97,8 +104,7 @@ def assert_two_newest_complete(storage: AbstractFileSystem, run: str) -> None:
         "last.ckpt",
     ]
     assert {path.rsplit("/", 1)[-1] for path in storage.ls(f"{run}/epoch=1-step=6.ckpt")} == {
-        "__0_0.distcp",
-        "__1_0.distcp",
+        *(f"__{rank}_0.distcp" for rank in range(ranks)),
         ".metadata",
         "meta.pt",
         "COMPLETE",
@@ -106,16 +112,14 @@ def assert_two_newest_complete(storage: AbstractFileSystem, run: str) -> None:
     assert storage.cat(f"{run}/last.ckpt") == b'{"lightdist_checkpoint": "epoch=1-step=6.ckpt"}'
 
 
-def stop_and_resume_last(saved: Case, resumed: Case, run: str) -> tuple[Result, Result]:
+def stop_saving_to(case: Case, run: str, devices: int) -> None:
+    """The run preempted midway, after saving every step to ``run``."""
+    train(case, devices, callbacks=[StopAfter(EPOCH), keep_two_newest(run)])
+
+
+def resume(case: Case, run: str, devices: int) -> Result:
     """The run a user launches again after preemption, with ``ckpt_path="last"``, here perhaps in another layout."""
-
-    def keep_two_newest() -> ModelCheckpoint:
-        return ModelCheckpoint(
-            dirpath=run, every_n_train_steps=1, save_top_k=2, monitor="step", mode="max", save_last=True
-        )
-
-    train(saved, devices=2, callbacks=[StopAfter(EPOCH), keep_two_newest()])
-    return uninterrupted(resumed), train(resumed, devices=2, callbacks=[keep_two_newest()], resume_from="last")
+    return train(case, devices, callbacks=[keep_two_newest(run)], resume_from="last")
 
 
 def assert_continues(uninterrupted: Result, resumed_run: Result) -> None:

@@ -19,11 +19,9 @@ import torch
 from fsspec import AbstractFileSystem
 from lightning.pytorch import Callback
 
-from lightdist.plugins import ModelCheckpoint
-
 from faulty_storage import Fault, FaultyStorage
 from multirank import run_each, run_ranks
-from training import Case, Result, train
+from training import Case, Result, keep_two_newest, train
 
 pytestmark = pytest.mark.multirank
 
@@ -126,10 +124,6 @@ def listing(bucket: AbstractFileSystem, run: str) -> dict[str, list[str]]:
         else:
             found[name] = [json.loads(bucket.cat(entry["name"]))["lightdist_checkpoint"]]
     return found
-
-
-def keep_two_newest(run: str) -> ModelCheckpoint:
-    return ModelCheckpoint(dirpath=run, every_n_train_steps=1, save_top_k=2, monitor="step", mode="max", save_last=True)
 
 
 def train_until_killed(run: str, storage_down: Path, step_5_uploading: Path, logs: Path) -> None:

@@ -18,13 +18,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, Trainer, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from lightdist.models import GPT2, HuggingFaceCausalLM, Llama, TokenDataModule
 from lightdist.models.lm import CausalLM
-from lightdist.plugins import ParallelStrategy
+from lightdist.plugins import ModelCheckpoint, ParallelStrategy
 
 
 class _Mixer(nn.Module):
@@ -148,6 +147,11 @@ class _RecordLosses(Callback):
         loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")
         self.result.losses.append(loss.item())
         self.result.logged.append(trainer.callback_metrics["train_loss"].item())
+
+
+def keep_two_newest(run: str) -> ModelCheckpoint:
+    """Saves to ``run`` every step, keeping the two newest checkpoints and ``last.ckpt``."""
+    return ModelCheckpoint(dirpath=run, every_n_train_steps=1, save_top_k=2, monitor="step", mode="max", save_last=True)
 
 
 class StopAfter(Callback):
