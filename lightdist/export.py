@@ -23,9 +23,8 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightdist.storage import read_metadata, reader, resolve
+from lightdist.storage import read_metadata, reader, resolve, saved_model_tensors
 
 __all__ = ["consolidate", "export", "main"]
 
@@ -63,16 +62,12 @@ def export(checkpoint_url: str, out: str, dtype: torch.dtype | None = None) -> N
 
 def _read_weights(url: str, dtype: torch.dtype | None) -> dict[str, Tensor]:
     """The checkpoint's model tensors, whole: allocated from the sizes its index records, then filled by DCP."""
-    storage_reader = reader(url)
-    metadata = storage_reader.read_metadata()
-    weights = {}
-    for key, entry in metadata.state_dict_metadata.items():
-        path = metadata.planner_data[key]  # ("state_dict", "model.wte.weight"), ("optimizer_0", "state", ...)
-        if path[0] == "state_dict" and isinstance(entry, TensorStorageMetadata):
-            weights[path[1]] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    weights = {
+        name: torch.empty(entry.size, dtype=entry.properties.dtype) for name, entry in saved_model_tensors(url).items()
+    }
     with warnings.catch_warnings():  # DCP warns that it loads in one process, which is what export asks for
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"state_dict": weights}, storage_reader=storage_reader, no_dist=True)
+        dcp.load({"state_dict": weights}, storage_reader=reader(url), no_dist=True)
     if dtype is not None:
         weights = {name: t.to(dtype) if t.is_floating_point() else t for name, t in weights.items()}
     return weights

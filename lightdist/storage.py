@@ -21,7 +21,7 @@ import json
 import posixpath
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import fsspec.config
@@ -33,9 +33,11 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME
 
 # Not re-exported by torch.distributed.checkpoint (torch 2.13), but the writer and reader DCP documents for fsspec.
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 __all__ = [
     "MANIFEST_FILENAME",
+    "check_same_model",
     "check_writable",
     "commit",
     "configure",
@@ -46,6 +48,7 @@ __all__ = [
     "reject_credentials",
     "remove",
     "resolve",
+    "saved_model_tensors",
     "write_pointer",
 ]
 
@@ -197,6 +200,47 @@ def remove(url: str) -> None:
 def load_sharded(state: dict[str, Any], url: str) -> None:
     """Fill ``state``'s tensors in place with this rank's share of the checkpoint at ``url`` (a collective)."""
     dcp.load(state, storage_reader=reader(url))
+
+
+def saved_model_tensors(url: str) -> dict[str, TensorStorageMetadata]:
+    """The whole size and dtype of each model tensor in the checkpoint at ``url``, by name, from DCP's index."""
+    metadata = reader(url).read_metadata()
+    tensors = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        path = metadata.planner_data[key]  # ("state_dict", "model.wte.weight"), ("optimizer_0", "state", ...)
+        if path[0] == "state_dict" and isinstance(entry, TensorStorageMetadata):
+            tensors[path[1]] = entry
+    return tensors
+
+
+def check_same_model(url: str, shapes: Mapping[str, Sequence[int]], *, strict: bool) -> None:
+    """Refuse the checkpoint at ``url`` unless it holds a tensor of the same whole shape for each name in ``shapes``
+    (every rank's, the model's whole state), and nothing else where ``strict``: listing all that differs, before
+    anything is loaded, where DCP would stop at the first difference deep inside a collective."""
+    saved = {name: list(entry.size) for name, entry in saved_model_tensors(url).items()}
+    problems = []
+    if strict and (missing := sorted(shapes.keys() - saved.keys())):
+        problems.append(f"missing from the checkpoint: {_first_few(missing)}")
+    if strict and (unexpected := sorted(saved.keys() - shapes.keys())):
+        problems.append(f"not in this model: {_first_few(unexpected)}")
+    resized = [
+        f"{name} {saved[name]} there, {list(shapes[name])} here"
+        for name in sorted(shapes.keys() & saved.keys())
+        if saved[name] != list(shapes[name])
+    ]
+    if resized:
+        problems.append(f"of another shape: {_first_few(resized)}")
+    if problems:
+        raise ValueError(
+            f"The checkpoint at {url} holds a different model; " + "; ".join(problems) + ". Load it into the model "
+            "it was saved from (the same configuration), or set `self.strict_loading = False` in the LightningModule "
+            "to load only the tensors both have, where the shapes agree."
+        )
+
+
+def _first_few(items: list[str], shown: int = 6) -> str:
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
 
 
 def reader(url: str) -> FsspecReader:

@@ -52,7 +52,14 @@ from lightdist.pipeline import (
 )
 from lightdist.plugins.pipeline import PipelineStep, TiedGradients
 from lightdist.sharding import ShardedOptimizer, ZeroStage, apply_data_parallel
-from lightdist.storage import configure, load_sharded, read_metadata, reject_credentials, resolve
+from lightdist.storage import (
+    check_same_model,
+    configure,
+    load_sharded,
+    read_metadata,
+    reject_credentials,
+    resolve,
+)
 from lightdist.structure import DecoderStack, find_decoder_stack
 from lightdist.tensor_parallel import (
     TensorParallelStyle,
@@ -400,6 +407,7 @@ class ParallelStrategy(ModelParallelStrategy):
         url = resolve(self.broadcast(str(checkpoint_path)))
         module = self.lightning_module
         model_state = {"state_dict": get_model_state_dict(module)}
+        check_same_model(url, self._whole_model_shapes(model_state["state_dict"]), strict=module.strict_loading)
         load_sharded(model_state, url)
         set_model_state_dict(module, model_state["state_dict"], options=StateDictOptions(strict=module.strict_loading))
         for index, optimizer in enumerate(self.optimizers):
@@ -447,6 +455,13 @@ class ParallelStrategy(ModelParallelStrategy):
                 description=f"lightdist: data parallel, ZeRO-{stage} (shards {shards})",
                 zero_stage=stage,
             )
+
+    def _whole_model_shapes(self, state_dict: dict[str, Tensor]) -> dict[str, list[int]]:
+        """The whole shape of every tensor of the model, each rank's included: a pipeline stage holds only its own."""
+        shapes = {name: list(tensor.shape) for name, tensor in state_dict.items()}  # a DTensor's shape is whole
+        every_rank: list[dict[str, list[int]]] = [{} for _ in range(self.world_size)]
+        dist.all_gather_object(every_rank, shapes)
+        return {name: shape for rank_shapes in every_rank for name, shape in rank_shapes.items()}
 
     @property
     def _checkpoint_saver(self) -> CheckpointSaver:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from functools import cache
 
 import pytest
 import torch
@@ -68,10 +67,12 @@ def test_v_shaped_schedule_is_refused_with_the_reason() -> None:
         ParallelStrategy(pipeline_parallel_size=2, pipeline_schedule="zbv")
 
 
-def fit_llama_pipeline(config: dict, strategy: dict) -> None:
+def fit_llama(config: dict, strategy: dict, resume_from: str | None = None, save_to: str | None = None) -> None:
     trainer = Trainer(accelerator="cpu", devices=2, strategy=ParallelStrategy(**strategy), max_steps=1, logger=False)
     data = TokenDataModule(seq_len=16, batch_size=4, val_fraction=0.0, synthetic_tokens=4096)
-    trainer.fit(Llama("tiny", config=config), datamodule=data)
+    trainer.fit(Llama("tiny", config=config), datamodule=data, ckpt_path=resume_from)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
 
 
 PIPELINES_THAT_CANNOT_BE_CUT_OR_FED = {
@@ -100,9 +101,9 @@ PIPELINES_THAT_CANNOT_BE_CUT_OR_FED = {
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", PIPELINES_THAT_CANNOT_BE_CUT_OR_FED)
-def test_pipelines_that_cannot_be_cut_or_fed(name: str) -> None:
+def test_pipelines_that_cannot_be_cut_or_fed(errors_on_two_ranks: dict[str, str], name: str) -> None:
     message = PIPELINES_THAT_CANNOT_BE_CUT_OR_FED[name][-1]
-    assert re.search(message, errors_on_two_ranks()[name])
+    assert re.search(message, errors_on_two_ranks[name])
 
 
 class _SharedMaskLlama(Llama):
@@ -123,9 +124,9 @@ def fit_shared_mask_in_a_pipeline() -> None:
 
 
 @pytest.mark.multirank
-def test_pipeline_needs_model_arguments_with_the_batch_first() -> None:
+def test_pipeline_needs_model_arguments_with_the_batch_first(errors_on_two_ranks: dict[str, str]) -> None:
     message = r"the call's tensors have first dimensions \[4, 16\]. Pass the model"
-    assert re.search(message, errors_on_two_ranks()["shared_mask"])
+    assert re.search(message, errors_on_two_ranks["shared_mask"])
 
 
 class _TwoStreamBlock(nn.Module):
@@ -248,23 +249,41 @@ def fit_one_weight_on_two_zero1_ranks() -> None:
 
 
 @pytest.mark.multirank
-def test_zero1_needs_a_parameter_for_every_data_parallel_rank() -> None:
+def test_zero1_needs_a_parameter_for_every_data_parallel_rank(errors_on_two_ranks: dict[str, str]) -> None:
     message = r"but 2 ranks share 1 parameter tensors. Use zero_stage=2 or 3"
-    assert re.search(message, errors_on_two_ranks()["zero1_one_weight"])
+    assert re.search(message, errors_on_two_ranks["zero1_one_weight"])
 
 
-@cache
-def errors_on_two_ranks() -> dict[str, str]:
+PIPELINE = {"pipeline_parallel_size": 2}
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_of_another_model_lists_every_difference(errors_on_two_ranks: dict[str, str]) -> None:
+    # Saved by the 4-block tiny Llama, each pipeline stage holding two blocks.
+    fewer_wider_blocks = errors_on_two_ranks["fewer_wider_blocks"]
+    assert "holds a different model; not in this model: model.layers.3.input_layernorm.weight" in fewer_wider_blocks
+    assert "of another shape: model.layers.0.mlp.down_proj.weight [64, 176] there, [64, 192] here" in fewer_wider_blocks
+    more_blocks = errors_on_two_ranks["more_blocks"]
+    assert "missing from the checkpoint: model.layers.4.input_layernorm.weight" in more_blocks
+    assert "and 3 more. Load it into the model it was saved from" in more_blocks
+
+
+@pytest.fixture(scope="module")
+def errors_on_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """What each two-rank fit above raised, all in one pair of ranks."""
+    checkpoint = str(tmp_path_factory.mktemp("llama") / "step=1.ckpt")
     fits = {
-        name: (fit_llama_pipeline, (config, dict(pipeline_parallel_size=2, **strategy)))
+        name: (fit_llama, (config, dict(PIPELINE, **strategy)))
         for name, (config, strategy, _) in PIPELINES_THAT_CANNOT_BE_CUT_OR_FED.items()
     }
     fits.update(
         shared_mask=(fit_shared_mask_in_a_pipeline, ()),
         zero1_one_weight=(fit_one_weight_on_two_zero1_ranks, ()),
+        fewer_wider_blocks=(fit_llama, ({"n_layers": 3, "ffn_dim": 192}, PIPELINE, checkpoint)),
+        more_blocks=(fit_llama, ({"n_layers": 5}, PIPELINE, checkpoint)),
     )
-    errors, _ = run_ranks(2, run_each, [(raised, (fit, *args)) for fit, args in fits.values()])
+    calls = [(fit_llama, ({}, PIPELINE, None, checkpoint))] + [(raised, (fit, *args)) for fit, args in fits.values()]
+    (_, *errors), _ = run_ranks(2, run_each, calls)
     return dict(zip(fits, errors, strict=True))
 
 
