@@ -12,6 +12,8 @@ from lightning.pytorch import Trainer
 from lightdist.cli import main
 from lightdist.storage import resolve
 
+from training import shard_files
+
 CONFIGS = Path(__file__).parents[1] / "configs"
 QUICK = [
     "--trainer.devices=2",
@@ -47,7 +49,7 @@ def test_config_trains_and_saves_a_sharded_checkpoint(tmp_path: Path, config: st
     checkpoints = list((tmp_path / "runs").rglob("*.ckpt"))
     assert len(checkpoints) == 1, checkpoints
     shards = sorted(path.name for path in checkpoints[0].iterdir())
-    assert shards == [".metadata", "COMPLETE", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert shards == sorted([".metadata", "COMPLETE", *shard_files(2), "meta.pt"])
 
 
 @pytest.mark.multirank
@@ -57,9 +59,7 @@ def test_main_job_config_trains_3d_and_saves_every_ranks_shard(tmp_path: Path) -
     # Before its first checkpoint, ckpt_path="last" starts from scratch; at the end, last.ckpt names the final state.
     checkpoint = Path(resolve(str(tmp_path / "runs/3d_cpu/checkpoints/last.ckpt")))
     assert checkpoint.name == "last-step=3.ckpt"
-    assert sorted(path.name for path in checkpoint.iterdir() if path.suffix == ".distcp") == [
-        f"__{rank}_0.distcp" for rank in range(8)
-    ]
+    assert sorted(path.name for path in checkpoint.iterdir() if path.suffix == ".distcp") == shard_files(8)
 
 
 @pytest.mark.multirank

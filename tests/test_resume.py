@@ -7,7 +7,7 @@ import torch
 from fsspec import AbstractFileSystem
 
 from multirank import run_each, run_ranks
-from training import Case, Result, StopAfter, keep_two_newest, train
+from training import Case, Result, StopAfter, keep_two_newest, shard_files, train
 
 pytestmark = pytest.mark.multirank
 
@@ -104,7 +104,7 @@ def assert_two_newest_complete(storage: AbstractFileSystem, run: str, ranks: int
         "last.ckpt",
     ]
     assert {path.rsplit("/", 1)[-1] for path in storage.ls(f"{run}/epoch=1-step=6.ckpt")} == {
-        *(f"__{rank}_0.distcp" for rank in range(ranks)),
+        *shard_files(ranks),
         ".metadata",
         "meta.pt",
         "COMPLETE",

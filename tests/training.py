@@ -21,6 +21,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from lightdist.async_checkpoint import WRITER_THREADS
 from lightdist.models import GPT2, HuggingFaceCausalLM, Llama, TokenDataModule
 from lightdist.models.lm import CausalLM
 from lightdist.plugins import ModelCheckpoint, ParallelStrategy
@@ -147,6 +148,11 @@ class _RecordLosses(Callback):
         loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")
         self.result.losses.append(loss.item())
         self.result.logged.append(trainer.callback_metrics["train_loss"].item())
+
+
+def shard_files(ranks: int) -> list[str]:
+    """The files of a checkpoint saved by ``ranks`` ranks, each writing its shards in parallel streams."""
+    return [f"__{rank}_{stream}.distcp" for rank in range(ranks) for stream in range(WRITER_THREADS)]
 
 
 def keep_two_newest(run: str) -> ModelCheckpoint:
