@@ -7,7 +7,6 @@ The S3 server is moto's, behind ``FaultyStorage``, a proxy that fails requests t
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -21,7 +20,7 @@ from lightning.pytorch import Callback
 
 from faulty_storage import Fault, FaultyStorage
 from multirank import run_each, run_ranks
-from training import Case, Result, keep_two_newest, shard_files, train
+from training import Case, Result, checkpoint_files, keep_two_newest, listing, train
 
 pytestmark = pytest.mark.multirank
 
@@ -106,25 +105,11 @@ def test_a_run_through_storage_faults_and_a_killed_rank_resumes_from_the_last_co
     torch.testing.assert_close(resumed.losses, uninterrupted.losses[2:], rtol=1e-5, atol=0)
     for name, value in uninterrupted.params.items():
         torch.testing.assert_close(resumed.params[name], value, rtol=1e-5, atol=1e-5, msg=name)
-    complete = sorted([".metadata", "COMPLETE", *shard_files(2), "meta.pt"])
     assert listing(bucket, run) == {
-        "epoch=4-step=5.ckpt": complete,
-        "epoch=5-step=6.ckpt": complete,
+        "epoch=4-step=5.ckpt": checkpoint_files(2),
+        "epoch=5-step=6.ckpt": checkpoint_files(2),
         "last.ckpt": ["epoch=5-step=6.ckpt"],
     }
-
-
-def listing(bucket: AbstractFileSystem, run: str) -> dict[str, list[str]]:
-    """Each checkpoint under ``run`` with its files, and each pointer with the checkpoint it names."""
-    bucket.invalidate_cache()
-    found = {}
-    for entry in bucket.ls(run.split("://", 1)[1], detail=True):
-        name = entry["name"].rsplit("/", 1)[-1]
-        if entry["type"] == "directory":
-            found[name] = sorted(path.rsplit("/", 1)[-1] for path in bucket.ls(entry["name"]))
-        else:
-            found[name] = [json.loads(bucket.cat(entry["name"]))["lightdist_checkpoint"]]
-    return found
 
 
 def train_until_killed(run: str, storage_down: Path, step_5_uploading: Path, logs: Path) -> None:

@@ -11,12 +11,14 @@ rate. Final weights then agree within 1e-5 at 1e-3, and the gap grows linearly w
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from fsspec import AbstractFileSystem
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -153,6 +155,25 @@ class _RecordLosses(Callback):
 def shard_files(ranks: int) -> list[str]:
     """The files of a checkpoint saved by ``ranks`` ranks, each writing its shards in parallel streams."""
     return [f"__{rank}_{stream}.distcp" for rank in range(ranks) for stream in range(WRITER_THREADS)]
+
+
+def checkpoint_files(ranks: int) -> list[str]:
+    """Every file of a complete checkpoint saved by ``ranks`` ranks, sorted: shards, DCP's index, Lightning's loop
+    state and the manifest written last."""
+    return sorted([".metadata", "COMPLETE", *shard_files(ranks), "meta.pt"])
+
+
+def listing(storage: AbstractFileSystem, run: str) -> dict[str, list[str]]:
+    """Each checkpoint under the URL ``run`` with its files, and each pointer with the checkpoint it names."""
+    storage.invalidate_cache()
+    found = {}
+    for entry in storage.ls(run.split("://", 1)[1], detail=True):
+        name = entry["name"].rsplit("/", 1)[-1]
+        if entry["type"] == "directory":
+            found[name] = sorted(path.rsplit("/", 1)[-1] for path in storage.ls(entry["name"]))
+        else:
+            found[name] = [json.loads(storage.cat(entry["name"]))["lightdist_checkpoint"]]
+    return found
 
 
 def keep_two_newest(run: str) -> ModelCheckpoint:
