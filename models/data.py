@@ -13,7 +13,8 @@ import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 __all__ = ["ARITHMETIC_ALPHABET", "TokenDataModule", "TokenWindows", "arithmetic_corpus", "open_token_file"]
 
@@ -105,25 +106,25 @@ class TokenDataModule(LightningDataModule):
         if self.val_fraction > 0:
             self.val = TokenWindows(tokens[split:], self.seq_len)
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> StatefulDataLoader:
         return self._loader(self.train, shuffle=self.shuffle)
 
-    def val_dataloader(self) -> DataLoader | list:
+    def val_dataloader(self) -> StatefulDataLoader | list:
         if self.val_fraction == 0:
             return []  # Lightning skips validation
         return self._loader(self.val, shuffle=False)
 
-    def _loader(self, dataset: TokenWindows | None, *, shuffle: bool) -> DataLoader:
+    def _loader(self, dataset: TokenWindows | None, *, shuffle: bool) -> StatefulDataLoader:
         if dataset is None:
             raise RuntimeError("Call setup() before asking for a dataloader.")
         sharding = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
         if sharding is None:
-            return DataLoader(
+            return StatefulDataLoader(
                 dataset, batch_size=self.batch_size, shuffle=shuffle, drop_last=True, num_workers=self.num_workers
             )
         # Our own sampler, because Lightning's injected one always shuffles training data, and pre-shuffled token
         # files must keep their order. The strategy says how to shard: by data-parallel rank only.
         sampler = DistributedSampler(dataset, shuffle=shuffle, seed=self.seed, drop_last=True, **sharding)
-        return DataLoader(
+        return StatefulDataLoader(
             dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True, num_workers=self.num_workers
         )

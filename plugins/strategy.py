@@ -51,6 +51,8 @@ from lightdist.pipeline import (
     virtual_stages_of,
 )
 from lightdist.plugins.pipeline import PipelineStep, TiedGradients
+from lightdist.plugins.rank_state import gather_rank_states, take_rank_state
+from lightdist.rng import set_rng_state
 from lightdist.sharding import ShardedOptimizer, ZeroStage, apply_data_parallel
 from lightdist.storage import (
     check_same_model,
@@ -194,6 +196,7 @@ class ParallelStrategy(ModelParallelStrategy):
         configure(storage_options or {})
         self._checkpoints: CheckpointSaver | None = None
         self._failed_saves_reported = 0
+        self._rng_state_to_restore: dict[str, Any] | None = None
         self._layout: ParallelLayout | None = None
         self._parallel_root: _ParallelRoot | None = None
 
@@ -211,8 +214,14 @@ class ParallelStrategy(ModelParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Only data-parallel ranks see different batches: tensor-parallel peers share theirs.
+        rank, size = self._data_parallel
+        return {"num_replicas": size, "rank": rank}
+
+    @property
+    def _data_parallel(self) -> tuple[int, int]:
+        """This rank's index among the data-parallel ranks, and their number."""
         dp_mesh = self.device_mesh["dp"]
-        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+        return dp_mesh.get_local_rank(), dp_mesh.size()
 
     @override
     def _configure_launcher(self) -> None:
@@ -366,6 +375,7 @@ class ParallelStrategy(ModelParallelStrategy):
         While ``fit`` runs, the save returns once the state is staged in CPU memory and the upload goes on behind
         training (``async_checkpoint``); a save outside ``fit`` returns when the checkpoint is complete.
         """
+        gather_rank_states(checkpoint, self.root_device, data_parallel=self._data_parallel)
         if not self._save_distributed_checkpoint:
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
@@ -418,7 +428,11 @@ class ParallelStrategy(ModelParallelStrategy):
             # Not strict: a ZeRO-1 rank holds state only for the parameters it owns, and dcp.load has already
             # checked that the checkpoint has every state this rank asked for.
             set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=StateDictOptions(strict=False))
-        return read_metadata(url, weights_only=weights_only)
+        checkpoint = read_metadata(url, weights_only=weights_only)
+        self._rng_state_to_restore = take_rank_state(
+            checkpoint, rank=self.global_rank, world_size=self.world_size, data_parallel=self._data_parallel
+        )
+        return checkpoint
 
     @classmethod
     @override
@@ -462,6 +476,15 @@ class ParallelStrategy(ModelParallelStrategy):
         every_rank: list[dict[str, list[int]]] = [{} for _ in range(self.world_size)]
         dist.all_gather_object(every_rank, shapes)
         return {name: shape for rank_shapes in every_rank for name, shape in rank_shapes.items()}
+
+    @override
+    def on_train_start(self) -> None:
+        """Each rank takes back its random state from the checkpoint it resumes, here rather than on load: creating
+        the data loader's iterator draws a number, as it did before the saved run's first step."""
+        super().on_train_start()
+        if self._rng_state_to_restore is not None:
+            set_rng_state(self._rng_state_to_restore, self.root_device)
+            self._rng_state_to_restore = None
 
     @property
     def _checkpoint_saver(self) -> CheckpointSaver:

@@ -24,16 +24,18 @@ from training import Case, Result, checkpoint_files, keep_two_newest, listing, t
 
 pytestmark = pytest.mark.multirank
 
-# Each step is an epoch of one batch, so a run resumed at any step sees the batches an uninterrupted one sees.
-# One retry per request in botocore (its default is four) and s3fs's own five: an outage fails a request in about
-# five seconds rather than half a minute, and every transient fault below is still retried.
+# Every save falls mid-epoch, the data is shuffled and the model drops out: a resumed run sees the batches and draws the
+# masks of an uninterrupted one only if the checkpoint carries the data loader's position and each rank's random state.
+# One retry per request in botocore (its default is four) and s3fs's own five: an outage fails a request in about five
+# seconds rather than half a minute, and every transient fault below is still retried.
 CASE = Case(
     strategy={
         "async_checkpoint": "thread",
         "storage_options": {"s3": {"config_kwargs": {"retries": {"total_max_attempts": 2}}}},
     },
+    model="gpt2_dropout",
     steps=6,
-    limit_train_batches=1,
+    shuffle=True,
 )
 STORAGE_BACK_AT_STEP = 5  # down from the moment step 3's first shard arrives to the start of step 5
 RANK_KILLED_AT_STEP = 6  # at its start, once step 5's shards are uploading
@@ -89,16 +91,16 @@ def test_a_run_through_storage_faults_and_a_killed_rank_resumes_from_the_last_co
 
     # The throttled, dropped and failed requests were retried: steps 1 and 2 were saved, and last.ckpt names step 2.
     assert faults_on_the_bad_day == {"throttle", "reset", "error", "slow"}
-    assert after_the_bad_day["last.ckpt"] == ["epoch=1-step=2.ckpt"]
+    assert after_the_bad_day["last.ckpt"] == ["epoch=0-step=2.ckpt"]
     assert "COMPLETE" in after_the_bad_day["epoch=0-step=1.ckpt"]
-    assert "COMPLETE" in after_the_bad_day["epoch=1-step=2.ckpt"]
+    assert "COMPLETE" in after_the_bad_day["epoch=0-step=2.ckpt"]
     # Step 3's upload stopped with the storage, step 4's save fell in the outage, and both were reported while
     # training went on; step 5's upload died with rank 1 and stayed incomplete.
     reported = (tmp_path / "rank0.log").read_text()
-    assert "epoch=2-step=3.ckpt could not be saved" in reported
-    assert "epoch=3-step=4.ckpt could not be saved" in reported
-    assert "COMPLETE" not in after_the_bad_day.get("epoch=2-step=3.ckpt", [])
-    assert "COMPLETE" not in after_the_bad_day.get("epoch=4-step=5.ckpt", [])
+    assert "epoch=0-step=3.ckpt could not be saved" in reported
+    assert "epoch=0-step=4.ckpt could not be saved" in reported
+    assert "COMPLETE" not in after_the_bad_day.get("epoch=0-step=3.ckpt", [])
+    assert "COMPLETE" not in after_the_bad_day.get("epoch=0-step=5.ckpt", [])
     # The resumed run continued from step 2 as if never stopped. Its saves replaced what the cut-short saves had
     # left, and retention kept the two newest.
     assert len(resumed.losses) == 4
@@ -106,9 +108,9 @@ def test_a_run_through_storage_faults_and_a_killed_rank_resumes_from_the_last_co
     for name, value in uninterrupted.params.items():
         torch.testing.assert_close(resumed.params[name], value, rtol=1e-5, atol=1e-5, msg=name)
     assert listing(bucket, run) == {
-        "epoch=4-step=5.ckpt": checkpoint_files(2),
-        "epoch=5-step=6.ckpt": checkpoint_files(2),
-        "last.ckpt": ["epoch=5-step=6.ckpt"],
+        "epoch=0-step=5.ckpt": checkpoint_files(2),
+        "epoch=0-step=6.ckpt": checkpoint_files(2),
+        "last.ckpt": ["epoch=0-step=6.ckpt"],
     }
 
 

@@ -93,6 +93,7 @@ MODELS = {
     # its float noise into learning-rate-sized steps that differ between layouts; tensor-parallel runs compare
     # weights without biases, and tests/test_tensor_parallel_plan.py checks the fused biases' layout on their own.
     "gpt2_no_bias": partial(GPT2, "tiny", config={"bias": False}),
+    "gpt2_dropout": partial(GPT2, "tiny", config={"dropout": 0.1}),  # each rank draws its own masks
     "unknown_family": UnknownFamilyLM,
     "hf_llama": partial(HuggingFaceCausalLM, config=dict(HF_TINY, model_type="llama", num_key_value_heads=2)),
     "hf_qwen2": partial(HuggingFaceCausalLM, config=dict(HF_TINY, model_type="qwen2", num_key_value_heads=2)),
@@ -117,6 +118,7 @@ class Case:
     gradient_clip_val: float | None = None
     precision: str = "32-true"
     limit_train_batches: int | None = None  # batches per epoch
+    shuffle: bool = False  # a parallel run's shuffled order is not the single process's: compare runs in one layout
 
     def reference(self, world_size: int) -> Case:
         """The single-process run that must produce the same numbers as this one on ``world_size`` ranks."""
@@ -203,7 +205,11 @@ def train(
     seed_everything(1234, workers=True)
     model = MODELS[case.model](learning_rate=1e-3, warmup_steps=2)
     data = TokenDataModule(
-        seq_len=case.seq_len, batch_size=case.batch_size, shuffle=False, val_fraction=0.0, synthetic_tokens=65_536
+        seq_len=case.seq_len,
+        batch_size=case.batch_size,
+        shuffle=case.shuffle,
+        val_fraction=0.0,
+        synthetic_tokens=65_536,
     )
     result = Result()
     trainer = Trainer(

@@ -1,0 +1,73 @@
+"""Where each rank stood: its random state and its data loader's position, for a resumed run to stand there again.
+
+Lightning's checkpoint is rank 0's alone and holds no random state. Dropout masks differ between ranks (pipeline
+stages draw different numbers altogether), and a data loader over one data-parallel rank's shard may keep a state of
+its own, so rank 0 gathers every rank's into the checkpoint and each rank takes back its own on resume.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightdist.rng import rng_state
+
+__all__ = ["gather_rank_states", "take_rank_state"]
+
+_KEY = "lightdist_ranks"
+_LOADERS = "combined_loader"  # the fit loop's data loader states, in Lightning's checkpoint
+
+
+def gather_rank_states(checkpoint: dict[str, Any], device: torch.device, data_parallel: tuple[int, int]) -> None:
+    """Add every rank's random state and data loader position to rank 0's ``checkpoint``; every rank calls it.
+
+    ``data_parallel``: this rank's (index, size) among the data-parallel ranks, which is what its loader's shard
+    depends on.
+    """
+    own = {"rng": rng_state(device), "data_parallel": data_parallel, "loaders": _loop_state(checkpoint).get(_LOADERS)}
+    every_rank = [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+    dist.gather_object(own, every_rank, dst=0)
+    checkpoint[_KEY] = every_rank
+
+
+def take_rank_state(
+    checkpoint: dict[str, Any], *, rank: int, world_size: int, data_parallel: tuple[int, int]
+) -> dict[str, Any] | None:
+    """Put this rank's data loader position where Lightning restores it from, and return its random state, to be
+    restored when training starts; ``None`` where no saved rank's draws would continue here.
+
+    A checkpoint saved on an epoch's last batch keeps no position: Lightning would restore it whenever training counts
+    steps, and a loader that ``limit_train_batches`` cut short would start the next epoch where this one stopped.
+    """
+    every_rank = checkpoint.pop(_KEY, None)
+    if checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {}).get("is_last_batch"):
+        _loop_state(checkpoint).pop(_LOADERS, None)
+    if every_rank is None:  # saved by another strategy
+        return None
+    if _LOADERS in _loop_state(checkpoint):
+        same_shard = [saved["loaders"] for saved in every_rank if saved["data_parallel"] == data_parallel]
+        if same_shard:
+            _loop_state(checkpoint)[_LOADERS] = same_shard[0]
+        else:
+            _loop_state(checkpoint).pop(_LOADERS)
+            rank_zero_warn(
+                f"lightdist: the checkpoint was saved mid-epoch by {every_rank[0]['data_parallel'][1]} data-parallel"
+                f" ranks and resumes on {data_parallel[1]}: a data loader's position is within its rank's shard of the"
+                " data, so the interrupted epoch starts again from its first batch. Resume at an epoch boundary, or"
+                " on as many data-parallel ranks, to see each sample once."
+            )
+    if len(every_rank) != world_size:
+        rank_zero_info(
+            f"lightdist: the checkpoint holds the random states of {len(every_rank)} ranks, not {world_size}:"
+            " each rank keeps its seeded random state, so dropout draws other masks than the saved run would have."
+        )
+        return None
+    return every_rank[rank]["rng"]
+
+
+def _loop_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The fit loop's own state in Lightning's checkpoint, where its data loaders' positions sit."""
+    return checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})

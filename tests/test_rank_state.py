@@ -1,0 +1,63 @@
+"""Where each rank stood when the checkpoint was saved, and which of it a resumed rank takes back.
+
+The whole path (a run saved mid-epoch, shuffled and with dropout, resumed to the same losses) is tested in
+tests/test_storage_faults.py; here, what happens when the resumed run is not laid out as the saved one was.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from lightdist.plugins.rank_state import take_rank_state
+from lightdist.rng import rng_state
+
+
+def saved_mid_epoch(data_parallel_size: int, tensor_parallel_size: int = 1, last_batch: bool = False) -> dict[str, Any]:
+    """Rank 0's checkpoint of a run whose data-parallel ranks each read their own shard: loader positions differ."""
+    every_rank = [
+        {
+            "rng": rng_state(torch.device("cpu")) | {"rank": rank},
+            "data_parallel": (rank // tensor_parallel_size, data_parallel_size),
+            "loaders": [{"shard": rank // tensor_parallel_size, "batches_taken": 7}],
+        }
+        for rank in range(data_parallel_size * tensor_parallel_size)
+    ]
+    fit_loop = {
+        "state_dict": {"combined_loader": every_rank[0]["loaders"]},
+        "epoch_loop.batch_progress": {"is_last_batch": last_batch},
+    }
+    return {"loops": {"fit_loop": fit_loop}, "lightdist_ranks": every_rank}
+
+
+def loader_position(checkpoint: dict[str, Any]) -> Any:
+    return checkpoint["loops"]["fit_loop"]["state_dict"].get("combined_loader")
+
+
+def test_each_rank_resumes_its_own_shard_position_and_random_state() -> None:
+    checkpoint = saved_mid_epoch(data_parallel_size=2, tensor_parallel_size=2)
+    rng = take_rank_state(checkpoint, rank=3, world_size=4, data_parallel=(1, 2))
+    assert loader_position(checkpoint) == [{"shard": 1, "batches_taken": 7}]
+    assert rng["rank"] == 3
+    assert "lightdist_ranks" not in checkpoint  # Lightning sees only its own keys
+
+
+def test_another_tensor_parallel_size_keeps_the_position_but_not_the_random_state() -> None:
+    checkpoint = saved_mid_epoch(data_parallel_size=2, tensor_parallel_size=2)
+    assert take_rank_state(checkpoint, rank=1, world_size=2, data_parallel=(1, 2)) is None
+    assert loader_position(checkpoint) == [{"shard": 1, "batches_taken": 7}]
+
+
+def test_another_data_parallel_size_starts_the_interrupted_epoch_again_and_says_so() -> None:
+    checkpoint = saved_mid_epoch(data_parallel_size=2)
+    with pytest.warns(UserWarning, match="saved mid-epoch by 2 data-parallel ranks and resumes on 4"):
+        take_rank_state(checkpoint, rank=0, world_size=4, data_parallel=(0, 4))
+    assert loader_position(checkpoint) is None
+
+
+def test_a_checkpoint_saved_on_the_last_batch_of_an_epoch_resumes_at_the_next_epochs_first() -> None:
+    checkpoint = saved_mid_epoch(data_parallel_size=2, last_batch=True)
+    take_rank_state(checkpoint, rank=0, world_size=2, data_parallel=(0, 2))
+    assert loader_position(checkpoint) is None
