@@ -255,6 +255,7 @@ class ParallelStrategy(ModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        parameters = sum(p.numel() for p in self.lightning_module.parameters())  # whole, before it is split
         self.model = self._parallelize(self.lightning_module)
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -272,6 +273,29 @@ class ParallelStrategy(ModelParallelStrategy):
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_norm_across_stages
         if trainer.state.fn == TrainerFn.FITTING and not self._cpu_offload:
             _optimizers_to_device(self.optimizers, self.root_device)
+        for logger in trainer.loggers:
+            logger.log_hyperparams({"lightdist": {**self.run_config, "parameters": parameters}})
+
+    @property
+    def run_config(self) -> dict[str, Any]:
+        """The layout this run trains under, as its loggers record it (W&B's run config, hparams.yaml): runs
+        compared side by side must say how each was split."""
+        pp, tp = self.layout.pp, self.layout.tp
+        return {
+            "world_size": self.world_size,
+            "pipeline_parallel_size": pp,
+            "data_parallel_size": self.layout.dp,
+            "tensor_parallel_size": tp,
+            "zero_stage": self._zero_stage,
+            "pipeline_schedule": self._pipeline_schedule if pp > 1 else None,
+            "virtual_stages": self._virtual_stages if pp > 1 else None,
+            "microbatches": (self._microbatches or pp) if pp > 1 else None,
+            "sequence_parallel": self._sequence_parallel and tp > 1,
+            "loss_parallel": self._loss_parallel and tp > 1,
+            "activation_checkpointing": self._activation_checkpointing,
+            "cpu_offload": self._cpu_offload,
+            "precision": self.precision_plugin.precision,
+        }
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

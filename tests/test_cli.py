@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +11,11 @@ import pytest
 from lightning.pytorch import Trainer
 
 from lightdist.cli import main
+from lightdist.models import Llama
 from lightdist.storage import resolve
 
 from training import checkpoint_files, shard_files
+from wandb_offline import offline_run_config
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 QUICK = [
@@ -27,6 +30,8 @@ QUICK = [
 def lightdist_fit(
     config: str, *overrides: str, cwd: Path, launcher: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess:
+    """The command as a user without a W&B login runs it: no API key in the environment or in ``~/.netrc``."""
+    environment = {name: value for name, value in os.environ.items() if not name.startswith("WANDB_")}
     command = [
         sys.executable,
         *launcher,
@@ -38,7 +43,8 @@ def lightdist_fit(
         *QUICK,
         *overrides,
     ]
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
+    environment["NETRC"] = str(cwd / "no-netrc")
+    return subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.multirank
@@ -60,6 +66,24 @@ def test_main_job_config_trains_3d_and_saves_every_ranks_shard(tmp_path: Path) -
     checkpoint = Path(resolve(str(tmp_path / "runs/3d_cpu/checkpoints/last.ckpt")))
     assert checkpoint.name == "last-step=3.ckpt"
     assert sorted(path.name for path in checkpoint.iterdir() if path.suffix == ".distcp") == shard_files(8)
+    # Without a W&B login the run logged offline, said so once, and recorded how it was split.
+    assert run.stderr.count("W&B logs offline to runs/3d_cpu/wandb, because no API key is set") == 1
+    assert offline_run_config(tmp_path / "runs/3d_cpu/wandb")["lightdist"] == {
+        "world_size": 8,
+        "pipeline_parallel_size": 2,
+        "data_parallel_size": 2,
+        "tensor_parallel_size": 2,
+        "zero_stage": 3,
+        "pipeline_schedule": "1f1b",
+        "virtual_stages": 1,
+        "microbatches": 4,
+        "sequence_parallel": True,
+        "loss_parallel": False,
+        "activation_checkpointing": None,
+        "cpu_offload": False,
+        "precision": "32-true",
+        "parameters": sum(p.numel() for p in Llama("tiny").parameters()),
+    }
 
 
 @pytest.mark.multirank

@@ -1,0 +1,61 @@
+"""lightdist's W&B logger decides for itself whether it can log online, and says why when it cannot."""
+
+from __future__ import annotations
+
+import socket
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lightdist.plugins import WandbLogger
+
+
+@pytest.fixture
+def no_wandb_login(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+
+
+@pytest.fixture
+def wandb_server() -> Iterator[str]:
+    """Something listening where the W&B server would be: the logger only needs it to answer."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+
+
+def test_without_an_api_key_it_logs_offline_and_says_how_to_upload_later(no_wandb_login: None, tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="no API key is set") as said:
+        logger = WandbLogger(project="lightdist", save_dir=tmp_path)
+    assert logger.offline
+    assert f"wandb sync {tmp_path}/wandb/offline-run-*" in str(said[0].message)
+
+
+def test_with_a_key_but_no_server_it_logs_offline_and_names_the_server(
+    no_wandb_login: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:1")  # nothing listens there
+    with pytest.warns(UserWarning, match="the W&B server http://127.0.0.1:1 cannot be reached"):
+        assert WandbLogger(project="lightdist").offline
+
+
+def test_with_a_key_and_a_server_it_logs_online(
+    no_wandb_login: None, monkeypatch: pytest.MonkeyPatch, wandb_server: str
+) -> None:
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", wandb_server)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not WandbLogger(project="lightdist").offline
+
+
+def test_wandb_mode_in_the_environment_decides_without_a_check(
+    no_wandb_login: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # wandb obeys it; lightdist neither checks nor warns
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not WandbLogger(project="lightdist").offline
