@@ -249,6 +249,10 @@ class ParallelStrategy(ModelParallelStrategy):
         if self._checkpoints is not None:
             self._checkpoints.wait()  # the last upload finishes before the process may exit
             self._report_failed_saves()
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            if trainer is not None and trainer.state.status == TrainerStatus.RUNNING:  # not after an error
+                # and rank 0's commit and pointer: once fit returns, every rank finds the last checkpoint complete
+                self.barrier("lightdist: last checkpoint complete")
         super().teardown()
 
     @override
