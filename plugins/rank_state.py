@@ -27,7 +27,8 @@ def gather_rank_states(checkpoint: dict[str, Any], device: torch.device, data_pa
     ``data_parallel``: this rank's (index, size) among the data-parallel ranks, which is what its loader's shard
     depends on.
     """
-    own = {"rng": rng_state(device), "data_parallel": data_parallel, "loaders": _loop_state(checkpoint).get(_LOADERS)}
+    loaders = _fit_loop(checkpoint).get("state_dict", {}).get(_LOADERS)
+    own = {"rng": rng_state(device), "data_parallel": data_parallel, "loaders": loaders}
     every_rank = [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
     dist.gather_object(own, every_rank, dst=0)
     checkpoint[_KEY] = every_rank
@@ -43,16 +44,18 @@ def take_rank_state(
     steps, and a loader that ``limit_train_batches`` cut short would start the next epoch where this one stopped.
     """
     every_rank = checkpoint.pop(_KEY, None)
-    if checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {}).get("is_last_batch"):
-        _loop_state(checkpoint).pop(_LOADERS, None)
+    fit_loop = _fit_loop(checkpoint)
+    loop_state = fit_loop.get("state_dict", {})
+    if fit_loop.get("epoch_loop.batch_progress", {}).get("is_last_batch"):
+        loop_state.pop(_LOADERS, None)
     if every_rank is None:  # saved by another strategy
         return None
-    if _LOADERS in _loop_state(checkpoint):
+    if _LOADERS in loop_state:
         same_shard = [saved["loaders"] for saved in every_rank if saved["data_parallel"] == data_parallel]
         if same_shard:
-            _loop_state(checkpoint)[_LOADERS] = same_shard[0]
+            loop_state[_LOADERS] = same_shard[0]
         else:
-            _loop_state(checkpoint).pop(_LOADERS)
+            del loop_state[_LOADERS]
             rank_zero_warn(
                 f"lightdist: the checkpoint was saved mid-epoch by {every_rank[0]['data_parallel'][1]} data-parallel"
                 f" ranks and resumes on {data_parallel[1]}: a data loader's position is within its rank's shard of the"
@@ -68,6 +71,6 @@ def take_rank_state(
     return every_rank[rank]["rng"]
 
 
-def _loop_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """The fit loop's own state in Lightning's checkpoint, where its data loaders' positions sit."""
-    return checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+def _fit_loop(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The fit loop's part of Lightning's checkpoint: its progress counters, and its data loaders' positions."""
+    return checkpoint.get("loops", {}).get("fit_loop", {})

@@ -251,7 +251,7 @@ class ParallelStrategy(ModelParallelStrategy):
             self._report_failed_saves()
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None
             if trainer is not None and trainer.state.status == TrainerStatus.RUNNING:  # not after an error
-                # and rank 0's commit and pointer: once fit returns, every rank finds the last checkpoint complete
+                # Rank 0 alone commits and writes last.ckpt: once fit returns, every rank finds them written.
                 self.barrier("lightdist: last checkpoint complete")
         super().teardown()
 
