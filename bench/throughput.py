@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightdist.models import Llama
 from lightdist.models.llama import LlamaModel
 from lightdist.plugins import ParallelStrategy
-from lightdist.throughput import device_peak_flops, transformer_flops_per_token
+from lightdist.throughput import DecoderFlops, device_peak_flops
 
 
 class RandomTokens(Dataset):
@@ -139,11 +139,8 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = Llama(args.preset).config
     data = RandomTokens(config.vocab_size, args.seq_len, args.steps * args.batch_size)
-    flops_per_token = transformer_flops_per_token(
-        _meta_model(config),
-        n_layers=config.n_layers,
-        dim=config.dim,
-        seq_len=args.seq_len,
+    flops_per_token = DecoderFlops.of(_meta_model(config), n_layers=config.n_layers, dim=config.dim).per_token(
+        args.seq_len
     )
     peak = device_peak_flops(device, args.peak_tflops)
     tokens_per_step = args.batch_size * args.seq_len

@@ -28,7 +28,7 @@ from lightdist.structure import DecoderStack
 __all__ = [
     "StageModel",
     "balanced_split",
-    "clip_grad_norm_across_stages",
+    "grad_norm_across_stages",
     "keep_stages",
     "stage_sizes",
     "stages_of_rank",
@@ -278,14 +278,11 @@ class StageModel(nn.Module):
         self._outgoing = output
 
 
-def clip_grad_norm_across_stages(
-    parameters: list[nn.Parameter],
-    max_norm: float,
-    pp_group: dist.ProcessGroup,
-    *,
-    counted_elsewhere: set[int] = frozenset(),
+def grad_norm_across_stages(
+    parameters: list[nn.Parameter], pp_group: dist.ProcessGroup, *, counted_elsewhere: set[int] = frozenset()
 ) -> Tensor:
-    """Clip by the norm of the whole model's gradient, of which each stage holds a share.
+    """The norm of the whole model's gradient, of which each stage holds a share (and, as DTensors, each tensor- and
+    data-parallel rank a shard).
 
     ``counted_elsewhere``: ids of parameters another stage also holds and counts (a weight tied across the ends).
     """
@@ -295,6 +292,4 @@ def clip_grad_norm_across_stages(
         norm = norm.full_tensor()
     squared = norm.float().pow(2)
     dist.all_reduce(squared, group=pp_group)
-    total = squared.sqrt()
-    torch.nn.utils.clip_grads_with_norm_([p for p in parameters if p.grad is not None], max_norm, total)
-    return total
+    return squared.sqrt()

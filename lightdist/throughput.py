@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-__all__ = ["PEAK_TFLOPS", "device_peak_flops", "transformer_flops_per_token"]
+from lightdist.structure import find_decoder_stack
+
+__all__ = ["PEAK_TFLOPS", "DecoderFlops", "device_peak_flops"]
 
 # Dense bf16 tensor-core peaks from the vendors' datasheets, without sparsity.
 PEAK_TFLOPS = {
@@ -18,16 +22,37 @@ PEAK_TFLOPS = {
 }
 
 
-def transformer_flops_per_token(model: nn.Module, *, n_layers: int, dim: int, seq_len: int) -> float:
-    """Training FLOPs per token of a decoder: 6 per weight that multiplies (forward 2, backward 4) plus attention.
+@dataclass(frozen=True)
+class DecoderFlops:
+    """A decoder's training FLOPs per token, in PaLM's accounting (the one MFU figures are quoted in).
 
-    Embedding lookups are not matmuls and are left out; attention scores and values add ``12 * n_layers * dim *
-    seq_len`` (PaLM's accounting, not halved for the causal mask).
+    Each weight that multiplies costs 6 FLOPs per token (forward 2, backward 4); attention scores and values add
+    ``12 * n_layers * dim * seq_len``, not halved for the causal mask. Embedding lookups are not matmuls and are left
+    out, unless the LM head multiplies by the embedding's weight.
     """
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    matmul_params = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
-    tied = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and id(m.weight) in embeddings)
-    return 6.0 * (matmul_params + tied) + 12.0 * n_layers * dim * seq_len
+
+    matmul_params: int
+    n_layers: int
+    dim: int
+
+    @classmethod
+    def of(cls, model: nn.Module, *, n_layers: int | None = None, dim: int | None = None) -> DecoderFlops:
+        """Count ``model`` as it is built, before any parallelism splits it; the depth is its decoder stack's and
+        the width its token embedding's (the largest table) unless given."""
+        embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+        lookups = {id(m.weight) for m in embeddings}
+        matmul_params = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
+        matmul_params += sum(
+            m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and id(m.weight) in lookups
+        )
+        if n_layers is None:
+            n_layers = len(find_decoder_stack(model))
+        if dim is None:
+            dim = max(embeddings, key=lambda m: m.num_embeddings).embedding_dim
+        return cls(matmul_params=matmul_params, n_layers=n_layers, dim=dim)
+
+    def per_token(self, seq_len: int) -> float:
+        return 6.0 * self.matmul_params + 12.0 * self.n_layers * self.dim * seq_len
 
 
 def device_peak_flops(device: torch.device, override_tflops: float | None = None) -> float | None:

@@ -1,4 +1,5 @@
-"""The training loop the reference LLMs share: next-token cross-entropy, AdamW, linear warmup then cosine decay."""
+"""The training loop the reference LLMs share: next-token cross-entropy, AdamW, linear warmup then cosine decay, and
+validation loss and perplexity as torchmetrics metrics."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+from torchmetrics.aggregation import MeanMetric
 
-__all__ = ["CausalLM", "PresetCausalLM", "resolve_preset"]
+__all__ = ["CausalLM", "Perplexity", "PresetCausalLM", "resolve_preset"]
 
 ConfigT = TypeVar("ConfigT")
 
@@ -21,6 +23,17 @@ def resolve_preset(presets: dict[str, ConfigT], preset: str, overrides: dict | N
     if preset not in presets:
         raise ValueError(f"preset={preset!r} is not one of {', '.join(presets)}.")
     return replace(presets[preset], **(overrides or {}))
+
+
+class Perplexity(MeanMetric):
+    """The exponential of the mean next-token loss over every target token seen.
+
+    Update it as the loss's ``MeanMetric``: each batch's mean loss weighted by its token count. torchmetrics' own
+    ``Perplexity`` takes the logits, which tensor parallelism may hold split over the vocabulary.
+    """
+
+    def compute(self) -> Tensor:
+        return super().compute().exp()
 
 
 class CausalLM(LightningModule):
@@ -37,6 +50,10 @@ class CausalLM(LightningModule):
         self.weight_decay = weight_decay
         self.warmup_steps = warmup_steps
         self.min_lr_ratio = min_lr_ratio
+        # Means over every token of the set, not of per-batch means, which would weigh a short batch as a full one.
+        # A NaN loss stays NaN rather than being dropped with a warning.
+        self.val_loss, self.val_perplexity = MeanMetric(nan_strategy="disable"), Perplexity(nan_strategy="disable")
+        self.test_loss, self.test_perplexity = MeanMetric(nan_strategy="disable"), Perplexity(nan_strategy="disable")
 
     def loss(self, batch: Tensor) -> Tensor:
         inputs, targets = batch[:, :-1], batch[:, 1:]
@@ -50,13 +67,23 @@ class CausalLM(LightningModule):
 
     def validation_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         loss = self.loss(batch)
-        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        self._track(loss, batch, self.val_loss, self.val_perplexity)
+        self.log("val_loss", self.val_loss, prog_bar=True)
+        self.log("val_perplexity", self.val_perplexity)
         return loss
 
     def test_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         loss = self.loss(batch)
-        self.log("test_loss", loss, sync_dist=True)
+        self._track(loss, batch, self.test_loss, self.test_perplexity)
+        self.log("test_loss", self.test_loss)
+        self.log("test_perplexity", self.test_perplexity)
         return loss
+
+    @staticmethod
+    def _track(loss: Tensor, batch: Tensor, *metrics: MeanMetric) -> None:
+        targets = batch[:, 1:].numel()
+        for metric in metrics:
+            metric.update(loss.detach(), targets)
 
     def configure_optimizers(self):
         # Decay matrices and embeddings, not norms or biases (GPT-3, Llama).

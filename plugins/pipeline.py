@@ -3,22 +3,27 @@
 Lightning calls ``training_step`` once per batch and expects it to return the loss. Under a pipeline the batch is cut
 into microbatches that flow through the stages, and only the last stage sees outputs. So each step:
 
-1. runs the user's step until it calls the model, to learn the model's arguments, on every stage;
+1. runs the user's step until it calls the model, to learn the model's arguments, on every stage (what it logs or
+   adds to metrics on the way is dropped: the step runs again);
 2. runs torch's schedule: every stage runs the model's forward on those arguments (later stages swap in the
    received activation), and the last stage calls the user's step once per microbatch with the stage output in place
    of the model call, which makes the step's own label shifting and masking the loss;
-3. replays on every rank what the step logged (the mean over microbatches, as one call over the whole batch logs),
-   and returns the mean loss, so ``self.log(sync_dist=True)``, the progress bar and callbacks see the usual values.
+3. replays on every rank what the step logged (the mean over microbatches, as one call over the whole batch logs,
+   or the sum, max or min its ``reduce_fx`` asks for), copies the states of the torchmetrics metrics the step
+   updated from the last stage to the others, and returns the mean loss, so ``self.log(sync_dist=True)``, metrics,
+   the progress bar and callbacks see the usual values.
 
 Gradients come from the schedule's backward; the strategy tells Lightning to skip its own.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
-from functools import partial
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from functools import partial, wraps
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -28,8 +33,11 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
+from torchmetrics import Metric
 
-__all__ = ["PipelineStep", "TiedGradients"]
+from lightdist.plugins.metric_sync import load_metric_states, metric_states, metrics_of
+
+__all__ = ["PipelineStep", "StageClock", "TiedGradients"]
 
 
 class TiedGradients:
@@ -43,6 +51,52 @@ class TiedGradients:
         for module in self.modules:
             grad = module.weight.grad
             dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
+
+
+class StageClock:
+    """Seconds this rank's stages compute, and seconds their schedule runs: for the rest of the schedule's time, the
+    stages wait on each other (the pipeline's bubble). On GPUs CUDA events time the kernels, read once per step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.busy_s = self.scheduled_s = 0.0
+        self._cuda = device.type == "cuda"
+        self._pending: list[tuple[str, Any, Any]] = []
+
+    @contextmanager
+    def timing(self, kind: Literal["busy", "scheduled"]) -> Iterator[None]:
+        if not self._cuda:
+            start = time.perf_counter()
+            yield
+            self._add(kind, time.perf_counter() - start)
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self._pending.append((kind, start, end))
+
+    def timed(self, compute: Callable[..., Any]) -> Callable[..., Any]:
+        """``compute`` (a stage's forward or backward of one microbatch), counted as busy."""
+
+        @wraps(compute)
+        def timed_compute(*args: Any, **kwargs: Any) -> Any:
+            with self.timing("busy"):
+                return compute(*args, **kwargs)
+
+        return timed_compute
+
+    def settle(self) -> None:
+        """Add up the spans the GPU has timed; called at the end of each step, which waits for its last kernel."""
+        for kind, start, end in self._pending:
+            end.synchronize()
+            self._add(kind, start.elapsed_time(end) / 1000)
+        self._pending.clear()
+
+    def _add(self, kind: str, seconds: float) -> None:
+        if kind == "busy":
+            self.busy_s += seconds
+        else:
+            self.scheduled_s += seconds
 
 
 class _ModelCalled(Exception):
@@ -75,8 +129,18 @@ class PipelineStep:
         self._step: Callable[..., Any] | None = None  # the user's step, per microbatch, as the loss
         self._step_for_input: Callable[..., Any] | None = None  # the step run only to learn the model's input
         self._logged: dict[str, list] = defaultdict(list)
+        self._logged_metrics: dict[str, str] = {}  # logged name -> module path of the torchmetrics metric logged
         self._log_options: dict[str, dict] = {}
         self._loss_scale = 1.0
+        self.metrics = metrics_of(module)
+        self.clock = StageClock(stages[0].device)
+        for stage in stages:
+            for compute in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, compute, self.clock.timed(getattr(stage, compute)))
+        # The schedule's first training step calls the loss once more, before any microbatch, on made-up outputs: it
+        # learns the shapes of the gradients that flow between stages. That call must leave no trace.
+        self._gradient_shapes_known = False
+        self._learning_gradient_shapes = False
 
     def __call__(self, step_name: str, batch: Any, batch_idx: int, *, train: bool, loss_scale: float = 1.0) -> Tensor:
         """The step's mean loss over the batch. Backward runs on each microbatch's loss divided by the number of
@@ -85,12 +149,18 @@ class PipelineStep:
         self._loss_scale = loss_scale / self.microbatches
         step = getattr(type(self.module), step_name)
         self._step = lambda microbatch: step(self.module, microbatch, batch_idx)
+        self._learning_gradient_shapes = train and not self._gradient_shapes_known
+        self._gradient_shapes_known |= train
+        updates = {name: metric.update_count for name, metric in self.metrics.items()}
         losses: list[Tensor] = []
-        self._run(self.schedule.step if train else self.schedule.eval, batch, losses)
+        with self.clock.timing("scheduled"):
+            self._run(self.schedule.step if train else self.schedule.eval, batch, losses)
+        self.clock.settle()
         loss = torch.stack([loss.detach() for loss in losses]).sum() / loss_scale if self.last else torch.zeros(())
         loss = loss.to(self.module.device).float()
         dist.broadcast(loss, group_src=self._last_stage, group=self.pp_group)
-        self._replay_logs()
+        updated = [name for name, metric in self.metrics.items() if metric.update_count != updates[name]]
+        self._share_logs_and_metrics(updated)
         return loss
 
     def predict(self, batch: Any, batch_idx: int) -> Any:
@@ -149,12 +219,12 @@ class PipelineStep:
         """The schedule's ``loss_fn`` on the last stage: the user's step, its model call answered with ``output``."""
         if self._step is None:  # predicting: the schedule computes outputs only
             return torch.zeros((), device=self.module.device)
-        self.module.forward = lambda *args, **kwargs: output
-        self.module.log = self._record_log
-        try:
+        learning_shapes, self._learning_gradient_shapes = self._learning_gradient_shapes, False
+        with (
+            self.clock.timing("busy"),
+            self._calling_user_step(lambda *args, **kwargs: output, leave_no_trace=learning_shapes),
+        ):
             result = self._step(microbatch)
-        finally:
-            del self.module.forward, self.module.log
         return (result["loss"] if isinstance(result, Mapping) else result) * self._loss_scale
 
     def _model_call(self, batch: Any) -> tuple[tuple, dict]:
@@ -163,36 +233,68 @@ class PipelineStep:
         def called(*args: Any, **kwargs: Any) -> None:
             raise _ModelCalled(args, kwargs)
 
-        self.module.forward = called
+        with self._calling_user_step(called, leave_no_trace=True):
+            try:
+                (self._step_for_input or self._step)(batch)
+            except _ModelCalled as call:
+                return call.args, call.kwargs
+        raise RuntimeError(
+            f"{type(self.module).__name__}'s step never called the model (`self(...)`), so pipeline parallelism "
+            "cannot tell what enters the first stage. Call the model from your step, e.g. `logits = self(x)`."
+        )
+
+    @contextmanager
+    def _calling_user_step(self, model_call: Callable[..., Any], *, leave_no_trace: bool) -> Iterator[None]:
+        """Within, the user's step gets ``model_call``'s answer from the model, and what it logs is kept for
+        ``_share_logs_and_metrics``; with ``leave_no_trace``, what it logs and adds to metrics is dropped instead."""
+        saved_metrics = metric_states(self.metrics) if leave_no_trace else None
+        self.module.forward = model_call
+        self.module.log = (lambda *args, **kwargs: None) if leave_no_trace else self._record_log
         try:
-            (self._step_for_input or self._step)(batch)
-        except _ModelCalled as call:
-            args, kwargs = call.args, call.kwargs
-        else:
-            raise RuntimeError(
-                f"{type(self.module).__name__}'s step never called the model (`self(...)`), so pipeline parallelism "
-                "cannot tell what enters the first stage. Call the model from your step, e.g. `logits = self(x)`."
-            )
+            yield
         finally:
-            del self.module.forward
-        return args, kwargs
+            del self.module.forward, self.module.log
+            if saved_metrics is not None:
+                load_metric_states(self.metrics, saved_metrics)
 
     def _record_log(self, name: str, value: Any, **options: Any) -> None:
-        self._logged[name].append(torch.as_tensor(value.detach() if isinstance(value, Tensor) else value).float())
+        if isinstance(value, Metric):
+            self._logged_metrics[name] = next(path for path, metric in self.metrics.items() if metric is value)
+        else:
+            self._logged[name].append(torch.as_tensor(value.detach() if isinstance(value, Tensor) else value).float())
         self._log_options[name] = options
 
-    def _replay_logs(self) -> None:
-        """Log on every rank the mean over microbatches of what the last stage's steps logged.
-
-        Only the last ``microbatches`` calls count: on its first step the schedule also calls the loss once to learn
-        the gradients' shapes, with outputs that are not the model's.
-        """
-        logged = [
-            {name: torch.stack(values[-self.microbatches :]).mean().cpu() for name, values in self._logged.items()},
+    def _share_logs_and_metrics(self, updated: list[str]) -> None:
+        """Log on every rank what the last stage's steps logged, combined over microbatches as one call over the
+        whole batch would have logged it (a mean, unless a sum, max or min was asked for), and give every stage
+        the last stage's states of the metrics in ``updated``, so each stage computes and logs what the last does."""
+        shared = [
+            {
+                name: _over_microbatches(values, self._log_options[name].get("reduce_fx", "mean")).cpu()
+                for name, values in self._logged.items()
+            },
+            self._logged_metrics,
             self._log_options,
+            metric_states({name: self.metrics[name] for name in updated}) if self.last else {},
         ]
-        dist.broadcast_object_list(logged, group_src=self._last_stage, group=self.pp_group)
-        self._logged, self._log_options = defaultdict(list), {}
-        values, options = logged
+        dist.broadcast_object_list(shared, group_src=self._last_stage, group=self.pp_group)
+        self._logged, self._logged_metrics, self._log_options = defaultdict(list), {}, {}
+        values, logged_metrics, options, states = shared
+        if not self.last:
+            load_metric_states(self.metrics, states)
         for name, value in values.items():
             self.module.log(name, value, **options[name])
+        for name, path in logged_metrics.items():
+            self.module.log(name, self.metrics[path], **options[name])
+
+
+# How a batch's value follows from its microbatches' for each ``reduce_fx`` of ``self.log``; the mean otherwise.
+_OVER_MICROBATCHES = {
+    **dict.fromkeys(("sum", torch.sum), torch.sum),
+    **dict.fromkeys(("max", torch.max), torch.amax),
+    **dict.fromkeys(("min", torch.min), torch.amin),
+}
+
+
+def _over_microbatches(values: list[Tensor], reduce_fx: Any) -> Tensor:
+    return _OVER_MICROBATCHES.get(reduce_fx, torch.mean)(torch.stack(values))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
@@ -19,6 +20,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
+from torch.distributed import ReduceOp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -43,13 +45,14 @@ from lightdist.layout import ParallelLayout
 from lightdist.loss_parallel import vocab_parallel_cross_entropy
 from lightdist.pipeline import (
     StageModel,
-    clip_grad_norm_across_stages,
+    grad_norm_across_stages,
     keep_stages,
     stage_sizes,
     stages_of_rank,
     tied_across_stages,
     virtual_stages_of,
 )
+from lightdist.plugins.metric_sync import reduce_metrics_over
 from lightdist.plugins.pipeline import PipelineStep, TiedGradients
 from lightdist.plugins.rank_state import gather_rank_states, take_rank_state
 from lightdist.rng import set_rng_state
@@ -196,6 +199,7 @@ class ParallelStrategy(ModelParallelStrategy):
         configure(storage_options or {})
         self._checkpoints: CheckpointSaver | None = None
         self._failed_saves_reported = 0
+        self._checkpoint_blocked_s = 0.0
         self._rng_state_to_restore: dict[str, Any] | None = None
         self._layout: ParallelLayout | None = None
         self._parallel_root: _ParallelRoot | None = None
@@ -261,6 +265,7 @@ class ParallelStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         parameters = sum(p.numel() for p in self.lightning_module.parameters())  # whole, before it is split
         self.model = self._parallelize(self.lightning_module)
+        reduce_metrics_over(self.lightning_module, self.device_mesh["dp"].get_group())
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         if not self._cpu_offload:
@@ -301,6 +306,45 @@ class ParallelStrategy(ModelParallelStrategy):
             "precision": self.precision_plugin.precision,
         }
 
+    def gradient_norm(self, optimizer: Optimizer) -> Tensor:
+        """The norm of the whole model's gradient, the same on every rank: over every pipeline stage and every
+        tensor- and data-parallel shard, a weight tied across the pipeline's ends counted once."""
+        counted_elsewhere: set[int] = set()
+        tied = self._pipeline_step.tied if self._pipeline_step is not None else None
+        if tied is not None and self.device_mesh["pp"].get_local_rank() != 0:  # the first stage counts tied weights
+            counted_elsewhere = {id(module.weight) for module in tied.modules}
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        return grad_norm_across_stages(
+            parameters, self.device_mesh["pp"].get_group(), counted_elsewhere=counted_elsewhere
+        )
+
+    @property
+    def checkpoint_blocked_s(self) -> float:
+        """Seconds training has waited on checkpoint saves in this process: staging each into CPU memory, and saves
+        that could not go to the background."""
+        return self._checkpoint_blocked_s
+
+    def pipeline_time(self) -> tuple[float, float]:
+        """Seconds this rank's pipeline stages have computed, and seconds their schedule has run: the difference is
+        the time they waited on other stages, the pipeline's bubble."""
+        if self._pipeline_step is None:
+            raise RuntimeError("pipeline_time() needs a pipeline: pipeline_parallel_size > 1.")
+        return self._pipeline_step.clock.busy_s, self._pipeline_step.clock.scheduled_s
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        """Reduce over the data-parallel ranks unless told otherwise: what a step logs with ``sync_dist=True`` is the
+        same on tensor-parallel peers and on every pipeline stage, and a sum over the world would count it again."""
+        return super().reduce(tensor, group if group is not None else self.device_mesh["dp"].get_group(), reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # Every rank votes (to save a checkpoint, to stop early): over the world, not the data-parallel ranks alone.
+        votes = super().reduce(torch.tensor(int(decision), device=self.root_device), dist.group.WORLD, ReduceOp.SUM)
+        return bool(votes == self.world_size) if all else bool(votes)
+
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
@@ -317,7 +361,8 @@ class ParallelStrategy(ModelParallelStrategy):
         def closure_then_wait_for_staging() -> Any:
             loss = closure()
             if self._checkpoints is not None:
-                self._checkpoints.wait_for_staging()
+                with self._blocking_checkpoint():
+                    self._checkpoints.wait_for_staging()
             return loss
 
         return super().optimizer_step(optimizer, closure_then_wait_for_staging, model, **kwargs)
@@ -403,6 +448,10 @@ class ParallelStrategy(ModelParallelStrategy):
         While ``fit`` runs, the save returns once the state is staged in CPU memory and the upload goes on behind
         training (``async_checkpoint``); a save outside ``fit`` returns when the checkpoint is complete.
         """
+        with self._blocking_checkpoint():
+            self._save_checkpoint(checkpoint, filepath, storage_options)
+
+    def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None) -> None:
         gather_rank_states(checkpoint, self.root_device, data_parallel=self._data_parallel)
         if not self._save_distributed_checkpoint:
             super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -528,6 +577,14 @@ class ParallelStrategy(ModelParallelStrategy):
             trainer = self.lightning_module.trainer
             for logger in trainer.loggers:
                 logger.log_metrics({"checkpoint/failed_saves": failed}, step=trainer.global_step)
+
+    @contextmanager
+    def _blocking_checkpoint(self) -> Generator[None, None, None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._checkpoint_blocked_s += time.perf_counter() - start
 
     @property
     def _saving_options(self) -> StateDictOptions:
@@ -662,14 +719,8 @@ class ParallelStrategy(ModelParallelStrategy):
         return stages_of_rank(self.device_mesh["pp"].get_local_rank(), self.layout.pp, self._virtual_stages)
 
     def _clip_grad_norm_across_stages(self, optimizer: Optimizer, clip_val: float) -> None:
-        tied = self._pipeline_step.tied
-        counted_elsewhere = set()
-        if tied is not None and self.device_mesh["pp"].get_local_rank() != 0:  # the first stage counts tied weights
-            counted_elsewhere = {id(module.weight) for module in tied.modules}
-        parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_across_stages(
-            parameters, clip_val, self.device_mesh["pp"].get_group(), counted_elsewhere=counted_elsewhere
-        )
+        parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        torch.nn.utils.clip_grads_with_norm_(parameters, clip_val, self.gradient_norm(optimizer))
 
     def _tied_across_stages(self, module: pl.LightningModule) -> TiedGradients | None:
         """The weights this stage shares with the other end of the pipeline, and the group they are summed over.

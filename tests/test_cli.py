@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from lightdist.models import Llama
 from lightdist.storage import resolve
 
 from training import checkpoint_files, shard_files
-from wandb_offline import offline_run_config
+from wandb_offline import offline_run_config, offline_run_history
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 QUICK = [
@@ -49,7 +50,8 @@ def lightdist_fit(
 
 @pytest.mark.multirank
 def test_main_job_config_trains_3d_and_saves_every_ranks_shard(tmp_path: Path) -> None:
-    run = lightdist_fit("3d_cpu.yaml", "--trainer.devices=8", cwd=tmp_path)  # pp=2 x dp=2 x tp=2
+    # pp=2 x dp=2 x tp=2, the monitor logging every step
+    run = lightdist_fit("3d_cpu.yaml", "--trainer.devices=8", "--trainer.log_every_n_steps=1", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     # Before its first checkpoint, ckpt_path="last" starts from scratch; at the end, last.ckpt names the final state.
     checkpoint = Path(resolve(str(tmp_path / "runs/3d_cpu/checkpoints/last.ckpt")))
@@ -73,6 +75,19 @@ def test_main_job_config_trains_3d_and_saves_every_ranks_shard(tmp_path: Path) -
         "precision": "32-true",
         "parameters": sum(p.numel() for p in Llama("tiny").parameters()),
     }
+    # TrainingMonitor's figures at every step, and the validation metrics at the end.
+    history = offline_run_history(tmp_path / "runs/3d_cpu/wandb")
+    monitored = [row for row in history if "perf/tokens_per_s" in row]
+    assert [row["trainer/global_step"] for row in monitored] == [0, 1, 2]  # Lightning's numbering, as the loss's
+    for row in monitored:
+        # Each step trains 2 data-parallel batches of 8 windows of 64 tokens.
+        assert row["perf/tokens_per_s"] * row["perf/step_time_s"] == pytest.approx(2 * 8 * 64)
+        assert row["perf/tokens_per_s_per_device"] == pytest.approx(row["perf/tokens_per_s"] / 8)
+        assert 0 < row["pipeline/bubble"] < 1
+        assert row["memory/peak_gib"] > 0.1 and row["train/grad_norm"] > 0 and row["checkpoint/blocked_s"] >= 0
+        assert "perf/mfu" not in row  # a CPU has no known peak
+    (validated,) = [row for row in history if "val_perplexity" in row]
+    assert validated["val_perplexity"] == pytest.approx(math.exp(validated["val_loss"]), rel=1e-5)
 
 
 @pytest.mark.multirank

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import cache
 
 import pytest
@@ -21,7 +22,7 @@ CASES = {
         "zero0": Case(strategy=dict(zero_stage=0)),
         "zero1": Case(strategy=dict(zero_stage=1)),
         "zero2": Case(strategy=dict(zero_stage=2)),
-        "zero3": Case(strategy=dict(zero_stage=3)),
+        "zero3": Case(strategy=dict(zero_stage=3), validate=True),
         "zero1_accumulate_clip": Case(strategy=dict(zero_stage=1), accumulate_grad_batches=2, gradient_clip_val=0.1),
         "zero3_accumulate_clip": Case(strategy=dict(zero_stage=3), accumulate_grad_batches=2, gradient_clip_val=0.1),
         "zero2_full_checkpointing": Case(strategy=dict(zero_stage=2, activation_checkpointing="full")),
@@ -30,7 +31,7 @@ CASES = {
         "tp2_zero3": Case(strategy=dict(TP2, zero_stage=3)),
         "tp2_zero2_clip": Case(strategy=dict(TP2, zero_stage=2), gradient_clip_val=0.1),
         "tp2_without_sequence_parallel": Case(strategy=dict(TP2_NO_SP, zero_stage=3), gradient_clip_val=0.1),
-        "tp2_loss_parallel_clip": Case(strategy=dict(TP2, loss_parallel=True), gradient_clip_val=0.1),
+        "tp2_loss_parallel_clip": Case(strategy=dict(TP2, loss_parallel=True), gradient_clip_val=0.1, validate=True),
         "tp2_tied_embeddings": Case(strategy=dict(TP2, zero_stage=3), model="llama_tied"),
         "gpt2_tp2_fused_qkv_tied": Case(strategy=dict(TP2, zero_stage=3), model="gpt2_no_bias", gradient_clip_val=0.1),
         "unknown_family_tp2_traced_plan": Case(strategy=dict(TP2), model="unknown_family", gradient_clip_val=0.1),
@@ -38,7 +39,7 @@ CASES = {
         "hf_llama_tp2": Case(strategy=dict(TP2, zero_stage=3), model="hf_llama", gradient_clip_val=0.1),
         "hf_opt_tp2_row_parallel_biases": Case(strategy=dict(TP2_NO_SP, zero_stage=3), model="hf_opt"),
         "pp2_gpipe": Case(strategy=dict(PP2, pipeline_schedule="gpipe")),
-        "pp2_1f1b_4_microbatches_clip": Case(strategy=dict(PP2, microbatches=4), gradient_clip_val=0.1),
+        "pp2_1f1b_4_microbatches_clip": Case(strategy=dict(PP2, microbatches=4), gradient_clip_val=0.1, validate=True),
         "pp2_accumulate": Case(strategy=dict(PP2), accumulate_grad_batches=2),
         # the embedding on the first stage and the LM head on the last share one weight
         "pp2_gpt2_tied_clip": Case(strategy=dict(PP2, microbatches=4), model="gpt2", gradient_clip_val=0.1),
@@ -58,7 +59,7 @@ CASES = {
         "zero1": Case(strategy=dict(zero_stage=1)),
         "zero2_clip": Case(strategy=dict(zero_stage=2), gradient_clip_val=0.1),
         "zero3_accumulate_clip": Case(strategy=dict(zero_stage=3), accumulate_grad_batches=2, gradient_clip_val=0.1),
-        "tp2_dp2_zero3_clip": Case(strategy=dict(TP2, zero_stage=3), gradient_clip_val=0.1),
+        "tp2_dp2_zero3_clip": Case(strategy=dict(TP2, zero_stage=3), gradient_clip_val=0.1, validate=True),
         "tp2_dp2_zero2_accumulate": Case(strategy=dict(TP2, zero_stage=2), accumulate_grad_batches=2),
         "tp2_dp2_without_sequence_parallel": Case(strategy=dict(TP2_NO_SP, zero_stage=3), model="hf_llama"),
         "gpt2_tp2_dp2_without_sequence_parallel": Case(strategy=dict(TP2_NO_SP, zero_stage=2), model="gpt2_no_bias"),
@@ -84,13 +85,13 @@ CASES = {
         "pp2_dp2_hf_llama_zero1": Case(strategy=dict(PP2, zero_stage=1, microbatches=4), model="hf_llama"),
     },
     8: {  # 3D: pp=2 x dp=2 x tp=2
-        "3d_clip": Case(strategy=dict(PP2, **TP2), gradient_clip_val=0.1),
+        "3d_clip": Case(strategy=dict(PP2, **TP2), gradient_clip_val=0.1, validate=True),
         "3d_gpt2_interleaved_fused_qkv_tied_clip": Case(
             strategy=dict(PP2, **TP2, pipeline_schedule="interleaved_1f1b", microbatches=4),
             model="gpt2_no_bias",
             gradient_clip_val=0.1,
         ),
-        "3d_hf_llama": Case(strategy=dict(PP2, **TP2), model="hf_llama"),
+        "3d_hf_llama": Case(strategy=dict(PP2, **TP2), model="hf_llama", validate=True),
     },
 }
 
@@ -121,12 +122,21 @@ def test_parallel_run_matches_single_process(world_size: int, name: str) -> None
     assert len(parallel.losses) == case.steps * case.accumulate_grad_batches
     torch.testing.assert_close(parallel.losses, single.losses, rtol=1e-5, atol=0)
     torch.testing.assert_close(parallel.logged, single.logged, rtol=1e-5, atol=0)
+    assert len(parallel.grad_norms) == case.steps
+    torch.testing.assert_close(parallel.grad_norms, single.grad_norms, rtol=1e-5, atol=0)
     assert parallel.params.keys() == single.params.keys()
     for key in single.params:
         torch.testing.assert_close(parallel.params[key], single.params[key], rtol=1e-5, atol=1e-5, msg=key)
+    # Validation loss and perplexity (torchmetrics, reduced over data-parallel ranks) and a count logged as a sum.
+    assert parallel.validated.keys() == single.validated.keys()
+    assert parallel.validated == pytest.approx(single.validated, rel=1e-5, abs=0)
 
 
 def test_training_moves_the_weights() -> None:
     """Guards the comparison above: a run that did not train would match nothing but itself."""
     trained = reference_results()[CASES[2]["zero3"].reference(world_size=2)]
     assert trained.losses[-1] < trained.losses[0]
+    # ... and one that did not validate would compare nothing: 8 batches of 8 windows, each counted once.
+    assert trained.validated.keys() == {"val_loss", "val_perplexity", "val_windows"}
+    assert trained.validated["val_windows"] == 64
+    assert trained.validated["val_perplexity"] == pytest.approx(math.exp(trained.validated["val_loss"]), rel=1e-6)

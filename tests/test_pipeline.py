@@ -36,11 +36,19 @@ def quiet_trainer(strategy: dict | None, devices: int) -> Trainer:
     )
 
 
+class CountingLlama(Llama):
+    """Also counts the windows it validates, logged as a sum: under a pipeline, over the microbatches too."""
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.log("val_windows", float(len(batch)), reduce_fx="sum", sync_dist=True)
+        return super().validation_step(batch, batch_idx)
+
+
 def validate(strategy: dict | None, devices: int) -> tuple[dict[str, float], list[str]]:
     """``trainer.validate`` and ``trainer.test`` of a freshly seeded tiny Llama; their metrics and the parameter
     names this rank holds."""
     seed_everything(1234)
-    model = Llama("tiny")
+    model = CountingLlama("tiny")
     data = TokenDataModule(seq_len=32, batch_size=4, val_fraction=0.25, synthetic_tokens=16_384, shuffle=False)
     trainer = quiet_trainer(strategy, devices)
     (metrics,) = trainer.validate(model, datamodule=data)
@@ -54,8 +62,11 @@ def test_validation_and_test_through_a_pipeline_match_one_process(schedule: str)
     (first, first_names), (last, last_names) = pipeline_results()[f"validate_{schedule}"]
     single, _ = single_process_results()["validate"]
 
-    torch.testing.assert_close(first["val_loss"], single["val_loss"], rtol=1e-5, atol=0)
-    torch.testing.assert_close(first["test_loss"], single["test_loss"], rtol=1e-5, atol=0)
+    assert (
+        first.keys() == single.keys() == {"val_loss", "val_perplexity", "val_windows", "test_loss", "test_perplexity"}
+    )
+    assert first == pytest.approx(single, rel=1e-5, abs=0)
+    assert first["val_windows"] == 124  # 31 batches of 4: the step's log ran once per microbatch, and was summed
     assert first == last  # every stage reports the last stage's numbers
     # Each stage keeps its blocks under their own names: the first the embeddings, the last the norm and head.
     assert [name for name in first_names if ".layers." not in name] == ["model.embed_tokens.weight"]

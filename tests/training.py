@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from lightdist.async_checkpoint import WRITER_THREADS
 from lightdist.models import GPT2, HuggingFaceCausalLM, Llama, TokenDataModule
 from lightdist.models.lm import CausalLM
-from lightdist.plugins import ModelCheckpoint, ParallelStrategy
+from lightdist.plugins import ModelCheckpoint, ParallelStrategy, TrainingMonitor
 
 
 class _Mixer(nn.Module):
@@ -119,6 +119,7 @@ class Case:
     precision: str = "32-true"
     limit_train_batches: int | None = None  # batches per epoch
     shuffle: bool = False  # a parallel run's shuffled order is not the single process's: compare runs in one layout
+    validate: bool = False  # after training, trainer.validate: its loss and perplexity must be the single process's
 
     def reference(self, world_size: int) -> Case:
         """The single-process run that must produce the same numbers as this one on ``world_size`` ranks."""
@@ -134,6 +135,7 @@ class Case:
             accumulate_grad_batches=self.accumulate_grad_batches,
             gradient_clip_val=self.gradient_clip_val,
             precision=self.precision,
+            validate=self.validate,
         )
 
 
@@ -142,16 +144,32 @@ class Result:
     losses: list[float] = field(default_factory=list)  # per micro-batch, mean over the global batch
     logged: list[float] = field(default_factory=list)  # the user's self.log("train_loss", sync_dist=True)
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # full state dict after training
+    validated: dict[str, float] = field(default_factory=dict)  # what trainer.validate returned after training
+    grad_norms: list[float] = field(default_factory=list)  # per optimizer step, before clipping (TrainingMonitor)
 
 
 class _RecordLosses(Callback):
     def __init__(self, result: Result) -> None:
         self.result = result
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.step = trainer.global_step
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")
         self.result.losses.append(loss.item())
         self.result.logged.append(trainer.callback_metrics["train_loss"].item())
+        if trainer.global_step > self.step:  # the optimizer stepped: the monitor logged the gradient's norm
+            self.step = trainer.global_step
+            self.result.grad_norms.append(trainer.callback_metrics["train/grad_norm"].item())
+
+
+class _CountValidationWindows(Callback):
+    """Logs the windows validated as a sum over ranks: each must count once, not once per tensor-parallel peer or
+    pipeline stage."""
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        pl_module.log("val_windows", float(len(batch)), reduce_fx="sum", sync_dist=True)
 
 
 def shard_files(ranks: int) -> list[str]:
@@ -208,7 +226,7 @@ def train(
         seq_len=case.seq_len,
         batch_size=case.batch_size,
         shuffle=case.shuffle,
-        val_fraction=0.0,
+        val_fraction=0.05 if case.validate else 0.0,
         synthetic_tokens=65_536,
     )
     result = Result()
@@ -221,7 +239,10 @@ def train(
         accumulate_grad_batches=case.accumulate_grad_batches,
         gradient_clip_val=case.gradient_clip_val,
         precision=case.precision,
-        callbacks=[_RecordLosses(result), *callbacks],
+        # The first 8 batches of each data-parallel rank: together the single process's first 8 batches.
+        limit_val_batches=8,
+        num_sanity_val_steps=0,
+        callbacks=[TrainingMonitor(log_every_n_steps=1), _RecordLosses(result), _CountValidationWindows(), *callbacks],
         logger=False,
         enable_checkpointing=any(isinstance(callback, ModelCheckpoint) for callback in callbacks),
         enable_progress_bar=False,
@@ -230,6 +251,8 @@ def train(
     trainer.fit(model, datamodule=data, ckpt_path=resume_from)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
+    if case.validate:
+        (result.validated,) = trainer.validate(model, datamodule=data, verbose=False)
     # Every rank gathers its own pipeline stage's parameters (full_state_dict with cpu_offload would fill rank 0 only).
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     result.params = {name: tensor.detach().cpu().clone() for name, tensor in state.items()}

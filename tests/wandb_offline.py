@@ -45,3 +45,13 @@ def offline_run_config(wandb_dir: Path) -> dict[str, Any]:
         if record.WhichOneof("record_type") == "config":
             config.update({item.key: json.loads(item.value_json) for item in record.config.update})
     return config
+
+
+def offline_run_history(wandb_dir: Path) -> list[dict[str, Any]]:
+    """The rows the one offline run under ``wandb_dir`` logged, in order: one per ``wandb.log`` commit."""
+    (run_file,) = wandb_dir.glob("offline-run-*/run-*.wandb")
+    return [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+        for record in records(run_file)
+        if record.WhichOneof("record_type") == "history"
+    ]

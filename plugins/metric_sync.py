@@ -1,0 +1,62 @@
+"""torchmetrics metrics under a parallel layout: each metric's state is reduced over the data-parallel ranks only.
+
+Tensor-parallel peers compute the same values from the same batch, and so do a pipeline's stages once the last stage,
+the only one that computes them, has copied its states to the others. Reducing over the whole world, torchmetrics'
+default, would count every batch ``tp * pp`` times in a sum or a count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+from torchmetrics import Metric
+
+__all__ = ["MetricStates", "load_metric_states", "metric_states", "metrics_of", "reduce_metrics_over"]
+
+MetricStates = dict[str, dict[str, Any]]
+
+
+def metrics_of(module: nn.Module) -> dict[str, Metric]:
+    """Every torchmetrics metric in ``module`` by its module path; those inside a ``MetricCollection`` too."""
+    return {name: metric for name, metric in module.named_modules() if isinstance(metric, Metric)}
+
+
+def reduce_metrics_over(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Make every metric of ``module`` reduce its state over ``group`` when it computes."""
+    for metric in metrics_of(module).values():
+        metric.process_group = group
+
+
+def metric_states(metrics: dict[str, Metric]) -> MetricStates:
+    """A copy in CPU memory of what each metric has accumulated, for ``load_metric_states`` on this or another rank."""
+
+    def copy(value: Any) -> Any:
+        return apply_to_collection(value, Tensor, lambda tensor: tensor.detach().cpu().clone())
+
+    return {
+        name: {
+            "state": copy(metric.metric_state),
+            "update_count": metric.update_count,
+            "forward_cache": copy(metric._forward_cache),  # what logging the metric on a step reports
+        }
+        for name, metric in metrics.items()
+    }
+
+
+def load_metric_states(metrics: dict[str, Metric], states: MetricStates) -> None:
+    """Give each metric named in ``states`` the state saved there, as if it had seen the same updates."""
+    for name, saved in states.items():
+        metric = metrics[name]
+
+        def to_device(value: Any, metric: Metric = metric) -> Any:
+            return apply_to_collection(value, Tensor, lambda tensor: tensor.to(metric.device))
+
+        for attribute, value in saved["state"].items():
+            setattr(metric, attribute, to_device(value))
+        # torchmetrics has no setters for these: the count decides whether compute() warns that nothing was
+        # updated, and a computed value stays cached until the next update.
+        metric._update_count, metric._computed = saved["update_count"], None
+        metric._forward_cache = to_device(saved["forward_cache"])

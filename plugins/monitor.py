@@ -1,0 +1,207 @@
+"""``TrainingMonitor``: how fast a run trains and what that costs, logged every few steps to every logger.
+
+Lightning's ``ThroughputMonitor`` runs on rank 0 alone and counts every rank as a data-parallel replica. Under
+tensor and pipeline parallelism several ranks share one batch, and the peak memory, gradient norm and pipeline bubble
+of a run need every rank's share, so this callback runs on every rank and reduces what it measures.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightdist.plugins.strategy import ParallelStrategy
+from lightdist.throughput import DecoderFlops, device_peak_flops
+
+__all__ = ["TrainingMonitor", "sequences_and_length"]
+
+_ON_PROGRESS_BAR = ("perf/tokens_per_s", "perf/mfu")
+
+
+def sequences_and_length(batch: Any) -> tuple[int, int]:
+    """How many sequences a batch holds and how many tokens of each the model trains on.
+
+    A tensor is a batch of token windows, inputs and targets in one: ``(B, T + 1)`` trains on ``T`` tokens each. A
+    mapping holds ``input_ids`` of shape ``(B, T)``, as Hugging Face collators make them.
+    """
+    if isinstance(batch, Tensor) and batch.dim() == 2:
+        return batch.shape[0], batch.shape[1] - 1
+    if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), Tensor):
+        return tuple(batch["input_ids"].shape[:2])
+    raise ValueError(
+        f"TrainingMonitor cannot tell the tokens in a batch of type {type(batch).__name__}. Pass "
+        "TrainingMonitor(batch_shape_fn=...), a function from a batch to (sequences, tokens per sequence)."
+    )
+
+
+class TrainingMonitor(Callback):
+    """Logs, every ``log_every_n_steps`` optimizer steps:
+
+    - ``perf/step_time_s``: wall time per optimizer step; waits for checkpoints count, validation does not.
+    - ``perf/tokens_per_s``: tokens trained per second by the whole run, and ``perf/tokens_per_s_per_device``.
+    - ``perf/mfu``: model FLOPs utilisation, the decoder's FLOPs per token (``DecoderFlops``) times tokens per second
+      over the devices' peak (known GPUs' datasheet figures, or ``peak_tflops``); absent where no peak is known.
+    - ``memory/peak_gib``: the most memory any rank held: on GPUs the peak allocated since the last log, on CPUs the
+      process's peak resident memory.
+    - ``checkpoint/blocked_s``: seconds per step that training waited on checkpoint saves.
+    - ``pipeline/bubble``: the share of the pipeline schedule's time its stages spent waiting on each other (pp > 1).
+    - ``train/grad_norm``: the whole model's gradient norm, over every stage and shard, before clipping.
+
+    ``perf/tokens_per_s`` and ``perf/mfu`` also go on the progress bar.
+
+    Args:
+        log_every_n_steps: Default: the Trainer's ``log_every_n_steps``.
+        peak_tflops: The device's peak in TFLOP/s for the MFU, where the table does not know it (or to override it).
+        batch_shape_fn: From a batch to (sequences, tokens per sequence); default ``sequences_and_length``.
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        peak_tflops: float | None = None,
+        batch_shape_fn: Callable[[Any], tuple[int, int]] | None = None,
+    ) -> None:
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps={log_every_n_steps} must be at least 1.")
+        if peak_tflops is not None and peak_tflops <= 0:
+            raise ValueError(f"peak_tflops={peak_tflops} must be positive: the device's peak in TFLOP/s.")
+        self.log_every_n_steps = log_every_n_steps
+        self.peak_tflops = peak_tflops
+        self.batch_shape_fn = batch_shape_fn or sequences_and_length
+        self._flops: DecoderFlops | None = None
+        self._peak_flops: float | None = None
+        self._every = 1
+        self._window_start = 0.0
+        self._window_first_step = 0
+        self._window_tokens = 0
+        self._seq_len = 0
+        self._validation_start: float | None = None
+        self._blocked_before = 0.0
+        self._pipeline_before = (0.0, 0.0)
+        self._grad_norm: Tensor | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._every = self.log_every_n_steps or trainer.log_every_n_steps
+        try:
+            self._flops = DecoderFlops.of(pl_module)  # before the strategy splits the model
+        except ValueError:  # no decoder stack (yet: layers made in configure_model): no MFU
+            self._flops = None
+        self._peak_flops = device_peak_flops(trainer.strategy.root_device, self.peak_tflops)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start_window(trainer)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._validation_start = time.perf_counter()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._validation_start is not None:  # validation time is not training time
+            self._window_start += time.perf_counter() - self._validation_start
+            self._validation_start = None
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        if (trainer.global_step + 1) % self._every == 0:
+            self._grad_norm = _gradient_norm(trainer, optimizer)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        sequences, self._seq_len = self.batch_shape_fn(batch)
+        self._window_tokens += sequences * self._seq_len
+        step = trainer.global_step
+        if step == self._window_first_step or step % self._every or self._grad_norm is None:
+            return  # accumulating, or not a step to log
+        metrics = self._measure(trainer, steps=step - self._window_first_step)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step - 1)  # where Lightning logs the loss of the same step
+        for name, value in metrics.items():
+            pl_module.log(name, value, on_step=True, on_epoch=False, logger=False, prog_bar=name in _ON_PROGRESS_BAR)
+        self._start_window(trainer)
+
+    def _measure(self, trainer: pl.Trainer, steps: int) -> dict[str, float]:
+        strategy = trainer.strategy
+        if strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(strategy.root_device)
+        elapsed = time.perf_counter() - self._window_start
+        data_parallel = strategy.layout.dp if isinstance(strategy, ParallelStrategy) else trainer.world_size
+        tokens_per_s = self._window_tokens * data_parallel / elapsed
+        metrics = {
+            "perf/step_time_s": elapsed / steps,
+            "perf/tokens_per_s": tokens_per_s,
+            "perf/tokens_per_s_per_device": tokens_per_s / trainer.world_size,
+            "memory/peak_gib": _peak_memory_over_ranks(strategy.root_device) / 2**30,
+            "train/grad_norm": self._grad_norm.item(),
+        }
+        if self._flops is not None and self._peak_flops is not None:
+            flops_per_s = self._flops.per_token(self._seq_len) * tokens_per_s
+            metrics["perf/mfu"] = flops_per_s / (self._peak_flops * trainer.world_size)
+        if isinstance(strategy, ParallelStrategy):
+            metrics["checkpoint/blocked_s"] = (strategy.checkpoint_blocked_s - self._blocked_before) / steps
+            if strategy.layout.pp > 1:
+                (busy, scheduled), (busy_before, scheduled_before) = _pipeline_time(strategy), self._pipeline_before
+                metrics["pipeline/bubble"] = 1.0 - (busy - busy_before) / (scheduled - scheduled_before)
+        return metrics
+
+    def _start_window(self, trainer: pl.Trainer) -> None:
+        strategy = trainer.strategy
+        if strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(strategy.root_device)
+            torch.cuda.reset_peak_memory_stats(strategy.root_device)
+        self._window_start = time.perf_counter()
+        self._window_first_step = trainer.global_step
+        self._window_tokens = 0
+        self._grad_norm = None
+        if isinstance(strategy, ParallelStrategy):
+            self._blocked_before = strategy.checkpoint_blocked_s
+            if strategy.layout.pp > 1:
+                self._pipeline_before = _pipeline_time(strategy)
+
+
+def _gradient_norm(trainer: pl.Trainer, optimizer: Optimizer) -> Tensor:
+    if isinstance(trainer.strategy, ParallelStrategy):
+        return trainer.strategy.gradient_norm(optimizer)
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads)
+
+
+def _peak_memory_over_ranks(device: torch.device) -> float:
+    """Bytes: the most any rank held since the window began (GPUs), or in its life (CPUs: that peak cannot be reset)."""
+    if device.type == "cuda":
+        peak = float(torch.cuda.max_memory_allocated(device))
+    else:
+        peak = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
+    if not dist.is_initialized():
+        return peak
+    peak_tensor = torch.tensor(peak, dtype=torch.float64, device=device)
+    dist.all_reduce(peak_tensor, op=dist.ReduceOp.MAX)
+    return peak_tensor.item()
+
+
+def _pipeline_time(strategy: ParallelStrategy) -> tuple[float, float]:
+    """Seconds every rank's stages computed, and seconds their schedules ran, summed over the ranks."""
+    busy, scheduled = strategy.pipeline_time()
+    totals = torch.tensor([busy, scheduled], dtype=torch.float64, device=strategy.root_device)
+    dist.all_reduce(totals)
+    return totals[0].item(), totals[1].item()
