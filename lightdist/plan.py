@@ -1,7 +1,8 @@
-"""``lightdist plan``: what tensor parallelism will do to a model, shown before any memory is spent.
+"""``lightdist plan``: how a model splits, what each layout costs per GPU, and which to use, before any memory is spent.
 
-The model is built on the meta device, so a 70B model plans in a second on a laptop.
+The model is built on the meta device, so a 70B model plans in seconds on a laptop.
 
+    lightdist plan --model lightdist.models.Llama --init-args '{"preset": "70b"}' --gpus 64 --gpu-memory 80
     lightdist plan --model lightdist.models.Llama --init-args '{"preset": "70b"}' --tp 8
     lightdist plan --config configs/3d_cpu.yaml
 """
@@ -11,7 +12,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,19 +22,11 @@ import yaml
 from torch import nn
 
 from lightdist.pipeline import stage_costs, stage_sizes, stages_of_rank, virtual_stages_of
+from lightdist.planner import Cluster, Estimate, GiB, ModelShape, Training, plan_layouts, tensor_parallel_shape
 from lightdist.structure import find_decoder_stack
 from lightdist.tensor_parallel import TensorParallelStyle, check_divisible, discover_plan, replicated_key_values
 
-__all__ = ["format_plan", "format_stages", "main"]
-
-
-def _split_shape(shape: tuple[int, ...], style: TensorParallelStyle, tp: int) -> tuple[int, ...]:
-    """A weight's per-rank shape: output rows split for colwise/vocab/head, input columns for rowwise."""
-    if style in ("colwise", "qkv", "gate_up", "vocab", "head"):
-        return (shape[0] // tp, *shape[1:])
-    if style == "rowwise":
-        return (*shape[:-1], shape[-1] // tp)
-    return shape
+__all__ = ["format_layouts", "format_plan", "format_stages", "main"]
 
 
 def format_stages(
@@ -80,12 +75,62 @@ def format_plan(model: nn.Module, tp: int, tp_plan: dict[str, TensorParallelStyl
         weight = getattr(modules[name], "weight", None)
         shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else ()
         folded = block.sub(f"{stack.name}.*.", name)
-        lines[folded] = f"  {folded:<48} {style:<10} {shape!s:>16} -> {_split_shape(shape, style, tp)}"
+        lines[folded] = f"  {folded:<48} {style:<10} {shape!s:>16} -> {tensor_parallel_shape(shape, style, tp)}"
     header = (
         f"{type(model).__name__}: {len(stack)} blocks in {stack.name}, tensor_parallel_size={tp}\n"
         f"  {'module':<48} {'style':<10} {'weight':>16} -> per rank"
     )
     return "\n".join([header, *lines.values()])
+
+
+def format_layouts(shape: ModelShape, training: Training, cluster: Cluster) -> tuple[str, bool]:
+    """A row per layout (memory of its most loaded GPU, in GiB, and its step time), then the one to use and why, or by
+    how much nothing fits and what would; and whether something fits."""
+    plans = plan_layouts(shape, training, cluster)
+    header = (
+        f"{shape.name}, {shape.parameters / 1e9:.1f}B parameters, on {cluster.describe()}: "
+        f"{training.global_batch} x {training.seq_len} tokens per step, {training.precision}"
+    )
+    if not plans:
+        raise ValueError(
+            f"No split of {cluster.gpus} GPUs into pp x dp x tp suits {shape.name}: tp must divide its heads and stay "
+            f"inside a node of {cluster.gpus_per_node}, and dp must divide the global batch of "
+            f"{training.global_batch} sequences. Change the GPU count or the global batch."
+        )
+    width = max(len(str(plan.layout)) for plan in plans)
+    gib = " ".join(f"{name:>6}" for name in ("params", "grads", "optim", "activ", "total"))
+    lines = [header, f"  {'layout':<{width}} {gib} fits step s", *(_layout_row(plan, width) for plan in plans)]
+    best = plans[0]
+    if best.fits:
+        fitting = sum(plan.fits for plan in plans)
+        lines.append(
+            f"Recommended: {best.layout}: the shortest estimated step ({best.step_s:.2f} s) of the {fitting} layouts "
+            f"that fit, with {best.total / GiB:.1f} of {cluster.memory_gib:g} GiB per GPU."
+        )
+    else:
+        leanest = min(plans, key=lambda plan: plan.total)
+        lines.append(
+            f"Nothing fits: the leanest layout, {leanest.layout}, needs {leanest.total / GiB:.1f} GiB per GPU, "
+            f"{(leanest.total / GiB - cluster.memory_gib):.1f} GiB more than {cluster.memory_gib:g}. "
+            + _what_would_fit(shape, training, cluster, leanest)
+        )
+    return "\n".join(lines), best.fits
+
+
+def _layout_row(plan: Estimate, width: int) -> str:
+    sizes = (plan.params, plan.grads, plan.optimizer, plan.activations, plan.total)
+    gib = " ".join(f"{size / GiB:6.1f}" for size in sizes)
+    return f"  {plan.layout!s:<{width}} {gib} {'yes' if plan.fits else 'no':>4} {plan.step_s:6.2f}"
+
+
+def _what_would_fit(shape: ModelShape, training: Training, cluster: Cluster, leanest: Estimate) -> str:
+    """More GPUs of the same memory, the fewest that suffice, or else GPUs with more memory."""
+    for factor in (2, 4, 8, 16, 32, 64):
+        more = replace(cluster, gpus=cluster.gpus * factor)
+        fitting = [plan for plan in plan_layouts(shape, training, more) if plan.fits]
+        if fitting:
+            return f"It fits on {more.gpus} GPUs: {fitting[0].layout}, {fitting[0].total / GiB:.1f} GiB per GPU."
+    return f"It fits on GPUs with {math.ceil(leanest.total / GiB)} GiB."
 
 
 def _build_on_meta(class_path: str, init_args: dict) -> nn.Module:
@@ -104,6 +149,17 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--pp", type=int, help="pipeline_parallel_size (default: the config's, else 1)")
     parser.add_argument("--schedule", help="pipeline_schedule (default: the config's, else 1f1b)")
     parser.add_argument("--virtual-stages", type=int, help="stages per rank of interleaved and zero-bubble schedules")
+    cluster = parser.add_argument_group("layouts: per-GPU memory and step time of every split of a cluster")
+    cluster.add_argument("--gpus", type=int, help="GPUs to train on; shows every layout and recommends one")
+    cluster.add_argument("--gpus-per-node", type=int, default=8)
+    cluster.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU (default 80)")
+    cluster.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100: 989)")
+    cluster.add_argument("--intra-node-gbps", type=float, default=450.0, help="GB/s per GPU inside a node (NVLink)")
+    cluster.add_argument("--inter-node-gbps", type=float, default=50.0, help="GB/s per GPU between nodes (IB)")
+    cluster.add_argument("--seq-len", type=int, default=4096)
+    cluster.add_argument("--global-batch", type=int, default=256, help="sequences per optimizer step")
+    cluster.add_argument("--micro-batch", type=int, default=1, help="sequences per microbatch")
+    cluster.add_argument("--precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed")
     args = parser.parse_args(argv)
 
     class_path, init_args, tp, tp_plan = args.model, json.loads(args.init_args), args.tp, None
@@ -122,6 +178,21 @@ def main(argv: list[str]) -> None:
         parser.error("name the model with --model or --config.")
     try:
         model = _build_on_meta(class_path, init_args)
+        if args.gpus is not None:
+            training = Training(args.seq_len, args.global_batch, args.micro_batch, args.precision)
+            cluster = Cluster(
+                args.gpus,
+                args.gpus_per_node,
+                args.gpu_memory,
+                args.peak_tflops,
+                args.intra_node_gbps,
+                args.inter_node_gbps,
+            )
+            table, fits = format_layouts(ModelShape(model, tp_plan), training, cluster)
+            print(table)
+            if not fits:
+                parser.exit(1)
+            return
         if tp is not None or pp is None:  # nothing asked for: the tensor-parallel plan at tp=2
             print(format_plan(model, tp or 2, tp_plan))
         if (pp or 1) > 1:

@@ -21,6 +21,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 __all__ = ["WandbLogger", "why_wandb_cannot_log_online"]
 
 _DEFAULT_HOST = "https://api.wandb.ai"
+_MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")
+_NOT_IN_PROJECT_NAMES = "/\\#?%:"
 
 
 class WandbLogger(LightningWandbLogger):
@@ -31,6 +33,7 @@ class WandbLogger(LightningWandbLogger):
     def __init__(
         self, *, offline: bool | None = None, save_dir: _PATH = ".", log_model: bool | str = False, **kwargs: Any
     ) -> None:
+        _check_settings(kwargs.get("project"), save_dir)
         if offline is None:
             reason = None if "WANDB_MODE" in os.environ else why_wandb_cannot_log_online()
             offline = reason is not None
@@ -48,6 +51,27 @@ class WandbLogger(LightningWandbLogger):
     def offline(self) -> bool:
         """Whether the run logs to its directory only, to be uploaded later with ``wandb sync``."""
         return self._offline
+
+
+def _check_settings(project: str | None, save_dir: _PATH | None) -> None:
+    """What W&B would refuse only when the first metric is logged, after the model has taken its memory."""
+    mode = os.environ.get("WANDB_MODE")
+    if mode is not None and mode not in _MODES:
+        raise ValueError(
+            f"WANDB_MODE={mode!r} is not a W&B mode: set one of {', '.join(_MODES)}, or unset it and lightdist logs "
+            "online where it can and offline where it cannot."
+        )
+    found = sorted(set(project or "") & set(_NOT_IN_PROJECT_NAMES))
+    if found:
+        raise ValueError(
+            f"project={project!r} contains {' '.join(found)}, which W&B refuses in project names. Name the project "
+            "with letters, digits, '-', '_' and '.'; the team goes in `entity`."
+        )
+    url = os.environ.get("WANDB_BASE_URL")
+    if url is not None and not (urlsplit(url).scheme in ("http", "https") and urlsplit(url).hostname):
+        raise ValueError(f"WANDB_BASE_URL={url!r} is not a server URL: set it like https://api.wandb.ai, or unset it.")
+    if save_dir is not None and Path(save_dir).exists() and not Path(save_dir).is_dir():
+        raise ValueError(f"save_dir={str(save_dir)!r} is a file: W&B writes the run's files into a directory there.")
 
 
 def why_wandb_cannot_log_online(timeout: float = 3.0) -> str | None:

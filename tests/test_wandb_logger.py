@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import warnings
 from collections.abc import Iterator
@@ -59,3 +60,29 @@ def test_wandb_mode_in_the_environment_decides_without_a_check(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not WandbLogger(project="lightdist").offline
+
+
+@pytest.mark.parametrize(
+    ("environment", "options", "message"),
+    [
+        ({"WANDB_MODE": "ofline"}, {}, "WANDB_MODE='ofline' is not a W&B mode: set one of online, offline"),
+        ({}, {"project": "team/run"}, "project='team/run' contains /, which W&B refuses in project names"),
+        ({"WANDB_BASE_URL": "api.wandb.ai"}, {}, "WANDB_BASE_URL='api.wandb.ai' is not a server URL"),
+        ({}, {"save_dir": "a-file"}, "save_dir='a-file' is a file"),
+    ],
+)
+def test_misconfiguration_fails_when_the_logger_is_made_naming_the_setting(
+    no_wandb_login: None,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    environment: dict[str, str],
+    options: dict[str, str],
+    message: str,
+) -> None:
+    """Before the Trainer starts, not at the first logged metric, after the model has taken its memory."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").touch()
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        WandbLogger(**options)

@@ -1,0 +1,278 @@
+"""Per-rank memory and step time of each way to split a model over a cluster, before any memory is spent.
+
+Parameters per rank are counted as the strategy splits them: the same tensor-parallel plan, pipeline split and ZeRO
+sharding, read from a model built on the meta device. The rest is a model for ranking layouts, not a promise:
+
+- memory: fp32 master weights (4 bytes per parameter), fp32 gradients (4) and Adam's two moments (8), each sharded as
+  the ZeRO stage says; under mixed precision, the 16-bit copy of weights gathered for compute; activations per block
+  as Korthikanti et al. (2022) count them for attention that never stores its scores (SDPA), split over tensor- and
+  sequence-parallel ranks and held for as many microbatches as the pipeline keeps in flight; and the logits.
+- step time: the model's FLOPs at a share (``efficiency``) of the devices' peak, stretched by recomputation and by
+  the pipeline's bubble, plus ring all-reduce and all-gather time of tensor- and data-parallel traffic at the links'
+  bandwidth, with no overlap assumed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from torch import nn
+
+from lightdist.pipeline import balanced_split, stage_costs
+from lightdist.structure import find_decoder_stack
+from lightdist.tensor_parallel import TensorParallelStyle, check_divisible, discover_plan, replicated_key_values
+from lightdist.throughput import DecoderFlops
+
+__all__ = [
+    "Cluster",
+    "Estimate",
+    "Layout",
+    "ModelShape",
+    "Training",
+    "estimate",
+    "plan_layouts",
+    "tensor_parallel_shape",
+]
+
+GiB = 2**30
+ActivationCheckpointing = Literal["selective", "full"] | None
+# Bytes of activations a block keeps for backward, per token and per unit of the hidden size, at 16 bits.
+_ACTIVATION_BYTES = {None: 34, "selective": 24, "full": 2}
+_RECOMPUTE = {None: 1.0, "selective": 1.05, "full": 4 / 3}  # full recomputes each block's forward once more
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    dp: int
+    tp: int
+    zero_stage: int = 3
+    activation_checkpointing: ActivationCheckpointing = None
+    microbatches: int = 1  # per optimizer step and data-parallel rank
+
+    def __str__(self) -> str:
+        checkpointing = f", {self.activation_checkpointing} ckpt" if self.activation_checkpointing else ""
+        pipeline = f", {self.microbatches} microbatches" if self.pp > 1 else ""
+        return f"pp={self.pp} x dp={self.dp} x tp={self.tp}, ZeRO-{self.zero_stage}{checkpointing}{pipeline}"
+
+
+@dataclass(frozen=True)
+class Training:
+    seq_len: int = 4096
+    global_batch: int = 256  # sequences per optimizer step
+    micro_batch: int = 1  # sequences per microbatch
+    precision: Literal["bf16-mixed", "32-true"] = "bf16-mixed"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpus_per_node: int = 8
+    memory_gib: float = 80.0
+    peak_tflops: float = 989.0  # H100 SXM, dense bf16
+    intra_node_gbps: float = 450.0  # GB/s per GPU inside a node (NVLink 4)
+    inter_node_gbps: float = 50.0  # GB/s per GPU between nodes (400 Gb/s InfiniBand)
+    efficiency: float = 0.5  # the share of peak that compute reaches
+
+    def describe(self) -> str:
+        return f"{self.gpus} GPUs ({self.gpus_per_node} per node, {self.memory_gib:g} GiB each)"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    layout: Layout
+    params: float  # bytes, on the rank that needs the most memory
+    grads: float
+    optimizer: float
+    activations: float
+    step_s: float
+    fits: bool
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations
+
+
+def tensor_parallel_shape(
+    shape: tuple[int, ...], style: TensorParallelStyle | None, tp: int, *, weight: bool = True
+) -> tuple[int, ...]:
+    """A parameter's shape on each of ``tp`` ranks: colwise, vocabulary and head styles split the output rows (of
+    weights and biases), rowwise the input columns of weights."""
+    if style in ("colwise", "qkv", "gate_up", "vocab", "head"):
+        return (shape[0] // tp, *shape[1:])
+    if style == "rowwise" and weight:
+        return (*shape[:-1], shape[-1] // tp)
+    return shape
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    module: str
+    shape: tuple[int, ...]
+    style: TensorParallelStyle | None
+    weight: bool
+    place: int | Literal["first", "last"]  # its block, or the end of the pipeline that holds it
+    tied_copy: bool = False  # an LM head's weight tied to the embedding: a tensor of its own only under a pipeline
+
+
+class ModelShape:
+    """The sizes of a model's tensors and where each lives, read once from the model (built on the meta device)."""
+
+    def __init__(self, model: nn.Module, tp_plan: dict[str, TensorParallelStyle] | None = None) -> None:
+        self.model, self.name = model, type(model).__name__
+        self.stack = find_decoder_stack(model)
+        self.plan = discover_plan(model, self.stack, tp_plan=tp_plan)
+        self.parameters = sum(p.numel() for p in model.parameters())
+        self.block_costs, self.embeddings, self.rest = stage_costs(model, self.stack)
+        embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+        token_embedding = max(embeddings, key=lambda m: m.num_embeddings)
+        self.dim, self.vocab = token_embedding.embedding_dim, token_embedding.num_embeddings
+        self._modules = dict(model.named_modules())
+        self._blocks_per_stage: dict[int, list[int]] = {}
+        self._rank_parameters: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+        self.flops = DecoderFlops.of(model)
+        blocks = {id(p): index for index, block in enumerate(self.stack.blocks) for p in block.parameters()}
+        first_stage = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        self.tensors: list[_Tensor] = []
+        seen: set[int] = set()
+        for name, module in model.named_modules():
+            for param_name, param in module.named_parameters(recurse=False):
+                tied_copy = id(param) in seen
+                seen.add(id(param))
+                place = blocks.get(id(param), "first" if id(param) in first_stage and not tied_copy else "last")
+                style, weight = self.plan.get(name), param_name == "weight"
+                self.tensors.append(_Tensor(name, tuple(param.shape), style, weight, place, tied_copy))
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.block_costs)
+
+    def splits_evenly(self, tp: int) -> bool:
+        try:
+            check_divisible(self.model, self.stack, self.plan, tp)
+        except ValueError:
+            return False
+        return True
+
+    def blocks_per_stage(self, pp: int) -> list[int]:
+        if pp not in self._blocks_per_stage:
+            self._blocks_per_stage[pp] = balanced_split(
+                self.block_costs, pp, first_extra=self.embeddings, last_extra=self.rest
+            )
+        return self._blocks_per_stage[pp]
+
+    def rank_parameters(self, pp: int, tp: int, dp: int) -> list[tuple[int, int]]:
+        """For each pipeline rank: the parameters it holds as tensor parallelism leaves them, and its ZeRO shard of
+        them (FSDP2 splits each tensor's first dimension over ``dp`` ranks, padding it to a multiple)."""
+        key = (pp, tp, dp)
+        if key not in self._rank_parameters:
+            sizes = self.blocks_per_stage(pp)
+            whole_modules = set(replicated_key_values(self._modules, self.plan, tp)) if tp > 1 else set()
+            counts = []
+            for pp_rank in range(pp):
+                held = range(sum(sizes[:pp_rank]), sum(sizes[: pp_rank + 1]))
+                whole = sharded = 0
+                for tensor in self.tensors:
+                    first, last = tensor.place == "first" and pp_rank == 0, tensor.place == "last" and pp_rank == pp - 1
+                    if not (first or last or tensor.place in held) or (tensor.tied_copy and pp == 1):
+                        continue
+                    style = None if tensor.module in whole_modules else tensor.style
+                    shape = tensor_parallel_shape(tensor.shape, style, tp, weight=tensor.weight)
+                    whole += math.prod(shape)
+                    sharded += math.ceil(shape[0] / dp) * math.prod(shape[1:])
+                counts.append((whole, sharded))
+            self._rank_parameters[key] = counts
+        return self._rank_parameters[key]
+
+
+def estimate(shape: ModelShape, layout: Layout, training: Training, cluster: Cluster) -> Estimate:
+    """Memory of the rank that needs the most, and the step time, of ``layout``."""
+    compute_bytes = 2 if training.precision == "bf16-mixed" else 4
+    # Under a pipeline each stage gathers its ZeRO-3 weights once per step and keeps them: ZeRO-2's memory.
+    zero = min(layout.zero_stage, 2) if layout.pp > 1 else layout.zero_stage
+    tokens = training.micro_batch * training.seq_len  # per microbatch
+    blocks_per_stage = shape.blocks_per_stage(layout.pp)
+    largest_block = max(shape.block_costs) / layout.tp
+    worst: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
+    for pp_rank, (whole, sharded) in enumerate(shape.rank_parameters(layout.pp, layout.tp, layout.dp)):
+        params = {
+            0: 4 * whole,
+            1: 4 * whole,
+            2: 4 * sharded + (compute_bytes * whole if compute_bytes == 2 else 0),
+            3: 4 * sharded + 2 * compute_bytes * largest_block,  # this block and the next, gathered
+        }[zero]
+        grads = 4 * (sharded if zero >= 2 else whole)
+        optimizer = 8 * (sharded if zero >= 1 else whole)
+        in_flight = 1 if layout.pp == 1 else min(layout.microbatches, layout.pp - pp_rank)  # 1F1B
+        per_block = _ACTIVATION_BYTES[layout.activation_checkpointing] * shape.dim * tokens * compute_bytes / 2
+        activations = blocks_per_stage[pp_rank] * per_block / layout.tp * in_flight
+        if pp_rank == layout.pp - 1:  # the logits, their fp32 copy for the loss and its gradient
+            activations += tokens * shape.vocab * (compute_bytes + 4 + 4)
+        rank = (params, grads, optimizer, activations)
+        if sum(rank) > sum(worst):
+            worst = rank
+    step_s = _step_seconds(shape, layout, training, cluster, compute_bytes, zero)
+    fits = sum(worst) <= cluster.memory_gib * GiB
+    return Estimate(layout, *worst, step_s=step_s, fits=fits)
+
+
+def _step_seconds(
+    shape: ModelShape, layout: Layout, training: Training, cluster: Cluster, compute_bytes: int, zero: int
+) -> float:
+    tokens = training.global_batch * training.seq_len
+    flops = shape.flops.per_token(training.seq_len) * tokens * _RECOMPUTE[layout.activation_checkpointing]
+    compute = flops / (cluster.gpus * cluster.peak_tflops * 1e12 * cluster.efficiency)
+    if layout.pp > 1:
+        compute *= 1 + (layout.pp - 1) / layout.microbatches  # the bubble: (p - 1) / (m + p - 1) of the step
+    blocks = max(shape.blocks_per_stage(layout.pp))
+    tensor_parallel = 0.0
+    if layout.tp > 1:  # per block and microbatch: 2 all-reduces forward and 2 backward (or their SP halves)
+        volume = training.micro_batch * training.seq_len * shape.dim * compute_bytes
+        ring = 2 * (layout.tp - 1) / layout.tp * volume
+        tensor_parallel = blocks * layout.microbatches * 4 * ring / (cluster.intra_node_gbps * 1e9)
+    data_parallel = 0.0
+    if layout.dp > 1:
+        params = shape.parameters / layout.tp / layout.pp
+        share = (layout.dp - 1) / layout.dp
+        # ZeRO-3 gathers weights for forward and backward of each microbatch and reduce-scatters fp32 gradients;
+        # the other stages all-reduce fp32 gradients (a reduce-scatter and an all-gather of the same size).
+        gathers = 2 * compute_bytes * layout.microbatches + 4 if zero == 3 else 2 * 4
+        volume = share * params * gathers
+        crosses_nodes = layout.tp * layout.dp > cluster.gpus_per_node
+        bandwidth = cluster.inter_node_gbps if crosses_nodes else cluster.intra_node_gbps
+        data_parallel = volume / (bandwidth * 1e9)
+    return compute + tensor_parallel + data_parallel
+
+
+def plan_layouts(shape: ModelShape, training: Training, cluster: Cluster) -> list[Estimate]:
+    """For every split of ``cluster.gpus`` into pp x dp x tp (tp inside a node), the fastest ZeRO stage and activation
+    checkpointing that fit, or the leanest where none does; fastest first."""
+    plans = []
+    for tp in _divisors(cluster.gpus):
+        if tp > cluster.gpus_per_node or not shape.splits_evenly(tp):
+            continue
+        for pp in _divisors(cluster.gpus // tp):
+            dp = cluster.gpus // (tp * pp)
+            sequences = training.global_batch // dp
+            if pp > shape.n_layers or training.global_batch % dp or sequences % training.micro_batch:
+                continue
+            microbatches = sequences // training.micro_batch
+            if pp > 1 and microbatches < pp:
+                continue
+            options = [
+                estimate(shape, Layout(pp, dp, tp, zero, checkpointing, microbatches), training, cluster)
+                for zero in ((0, 1, 2, 3) if dp > 1 else (0,))
+                if not (pp > 1 and zero == 3)  # under a pipeline ZeRO-3 is ZeRO-2 (see estimate)
+                for checkpointing in (None, "selective", "full")
+            ]
+            fitting = [option for option in options if option.fits]
+            plans.append(
+                min(fitting, key=lambda e: (e.step_s, e.total)) if fitting else min(options, key=lambda e: e.total)
+            )
+    return sorted(plans, key=lambda e: (not e.fits, e.step_s if e.fits else e.total))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,96 @@
+"""``lightdist plan --gpus N``: what every layout of a cluster costs per GPU, which to use, and what to do when nothing
+fits; all from a model built on the meta device, in seconds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightdist.cli import main
+from lightdist.models import Llama
+from lightdist.models.llama import LLAMA_PRESETS
+from lightdist.planner import Cluster, GiB, Layout, ModelShape, Training, estimate
+
+LLAMA_70B = ["--model", "lightdist.models.Llama", "--init-args", '{"preset": "70b"}']
+
+
+def meta_llama(preset: str) -> Llama:
+    with torch.device("meta"):
+        return Llama(preset)
+
+
+def test_parameters_per_rank_are_split_as_the_strategy_splits_them() -> None:
+    config = LLAMA_PRESETS["70b"]
+    norms = config.n_layers * 2 * config.dim + config.dim  # two per block and the final one: never split
+    llama_70b = ModelShape(meta_llama("70b"))
+    assert llama_70b.parameters == 70_553_706_496
+    # Tensor parallelism splits every matrix over 8 ranks (8 key/value heads: one each) and leaves the norms whole.
+    assert llama_70b.rank_parameters(pp=1, tp=8, dp=1) == [((llama_70b.parameters - norms) // 8 + norms,) * 2]
+    # ZeRO shards each tensor's first dimension over the data-parallel ranks.
+    (whole, sharded), *_ = llama_70b.rank_parameters(pp=1, tp=8, dp=4)
+    assert sharded == pytest.approx(whole / 4, rel=1e-6)
+    # Pipeline stages are the ones `lightdist plan --pp 4` shows (tests/test_cli.py): embeddings first, head last.
+    stages = ModelShape(meta_llama("8b")).rank_parameters(pp=4, tp=1, dp=1)
+    assert [whole for whole, _ in stages] == [2_052_120_576, 1_963_008_000, 1_963_008_000, 2_052_124_672]
+    # With fewer key/value heads than ranks, each rank keeps the key and value projections whole (tiny: 2 heads).
+    tiny = ModelShape(meta_llama("tiny"))
+    per_block = 64 * 64 // 4 * 2 + 32 * 64 * 2 + 176 * 64 // 4 * 3 + 64 * 2  # q, o split; k, v whole; mlp split
+    assert tiny.rank_parameters(pp=1, tp=4, dp=1)[0][0] == 4 * per_block + 64 * 64 // 4 * 2 + 64
+    # A head tied to the embedding is one tensor, and under a pipeline a copy on each end.
+    with torch.device("meta"):
+        tied = ModelShape(Llama("tiny", config={"tie_embeddings": True}))
+    assert tied.parameters == tied.rank_parameters(pp=1, tp=1, dp=1)[0][0] == 193_088 - 64 * 64
+    assert sum(whole for whole, _ in tied.rank_parameters(pp=2, tp=1, dp=1)) == 193_088
+
+
+def test_each_zero_stage_shards_what_the_paper_says() -> None:
+    shape, cluster = ModelShape(meta_llama("8b")), Cluster(gpus=8)
+    training = Training(seq_len=2048, global_batch=64, micro_batch=2)  # 4 microbatches of 2 on each of 8 ranks
+    psi = shape.parameters
+    stages = [
+        estimate(shape, Layout(pp=1, dp=8, tp=1, zero_stage=zero, microbatches=4), training, cluster)
+        for zero in range(4)
+    ]
+    assert [stage.optimizer / psi for stage in stages] == pytest.approx([8, 1, 1, 1], rel=1e-3)
+    assert [stage.grads / psi for stage in stages] == pytest.approx([4, 4, 0.5, 0.5], rel=1e-3)
+    # fp32 master weights, whole or sharded; ZeRO-2 also keeps the gathered bf16 copy for the step.
+    assert [stage.params / psi for stage in stages[:3]] == pytest.approx([4, 4, 0.5 + 2], rel=1e-3)
+    assert stages[0].activations == stages[3].activations
+    assert stages[0].step_s < stages[3].step_s  # ZeRO-3 gathers the weights again for every microbatch
+
+
+def test_plan_recommends_a_layout_for_70b_on_64_gpus(capsys: pytest.CaptureFixture) -> None:
+    main(["plan", *LLAMA_70B, "--gpus", "64", "--gpu-memory", "80"])
+    header, columns, *rows, recommendation = capsys.readouterr().out.splitlines()
+    assert header == (
+        "Llama, 70.6B parameters, on 64 GPUs (8 per node, 80 GiB each): 256 x 4096 tokens per step, bf16-mixed"
+    )
+    assert columns.split() == ["layout", "params", "grads", "optim", "activ", "total", "fits", "step", "s"]
+    table = {" ".join(row.split()[:-7]): row.split()[-7:] for row in rows}  # layout: GiB x 5, fits, step s
+    fits = [columns[5] for columns in table.values()]
+    assert fits == sorted(fits, reverse=True)  # the layouts that fit first, fastest first
+    best, (*_, total, fits_best, step) = next(iter(table.items()))
+    assert recommendation.startswith(f"Recommended: {best}: the shortest estimated step ({step} s) of the ")
+    assert float(total) <= 80 and fits_best == "yes"
+    # 32 data-parallel ranks without tensor parallelism hold half of the 70B model's 16-bit weights each: too much.
+    assert table["pp=2 x dp=32 x tp=1, ZeRO-2, full ckpt, 8 microbatches"][5] == "no"
+
+
+def test_plan_says_by_how_much_nothing_fits_and_what_would(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", *LLAMA_70B, "--gpus", "8", "--gpu-memory", "24"])
+    assert exit_info.value.code == 1
+    verdict = capsys.readouterr().out.splitlines()[-1]
+    assert verdict.startswith(
+        "Nothing fits: the leanest layout, pp=4 x dp=1 x tp=2, ZeRO-0, full ckpt, 256 microbatches, "
+    )
+    needed = float(verdict.split("needs ")[1].split(" GiB")[0])
+    assert needed > 16 * 70.6e9 / 8 / GiB  # weights, gradients and Adam's moments alone, split 8 ways
+    assert f"{needed - 24:.1f} GiB more than 24. It fits on 64 GPUs: " in verdict
+
+
+def test_plan_names_what_no_split_of_the_cluster_can_satisfy(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", *LLAMA_70B, "--gpus", "3", "--global-batch", "2"])
+    assert exit_info.value.code == 2
+    assert "No split of 3 GPUs into pp x dp x tp suits Llama" in capsys.readouterr().err
