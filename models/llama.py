@@ -71,6 +71,16 @@ LLAMA_PRESETS: dict[str, LlamaConfig] = {
         max_seq_len=8192,
         rope_theta=500000.0,
     ),
+    "405b": LlamaConfig(
+        vocab_size=128256,
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim=53248,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
 }
 
 
@@ -185,7 +195,7 @@ class LlamaModel(nn.Module):
 
 
 class Llama(PresetCausalLM):
-    """The reference Llama as a LightningModule; ``preset`` from "tiny" (CPU tests) up to "70b" (meta device)."""
+    """The reference Llama as a LightningModule; ``preset`` from "tiny" (CPU tests) up to "405b" (meta device)."""
 
     presets = LLAMA_PRESETS
     network = LlamaModel

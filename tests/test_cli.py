@@ -117,14 +117,25 @@ def test_registered_names_choose_the_layout(name: str, devices: int, zero_stage:
     assert str(trainer.strategy.layout) == layout
 
 
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("--trainer.strategy.init_args.zero_stage=7", 'Parser key "zero_stage"'),  # not a ZeRO stage
+        ("--trainer.strategy.init_args.microbatches=four", 'Parser key "microbatches"'),  # not an int
+        ("--trainer.strategy.init_args.tensor_paralel_size=2", "Option 'tensor_paralel_size' is not accepted"),
+        ("--config=typo.yaml", "Subcommand 'fit' does not accept option 'trainer.max_step'"),  # a YAML's unknown key
+    ],
+)
 def test_invalid_option_fails_in_cli_validation_naming_the_option(
-    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+    option: str, message: str, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setattr(sys, "argv", ["lightdist"])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "typo.yaml").write_text("trainer:\n  max_step: 3\n")
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", str(CONFIGS / "zero3_cpu.yaml"), "--trainer.strategy.init_args.zero_stage=7"])
-    assert exit_info.value.code != 0
-    assert 'Parser key "zero_stage"' in capsys.readouterr().err
+        main(["fit", "--config", str(CONFIGS / "zero3_cpu.yaml"), option])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_plan_shows_every_split_of_a_70b_model_without_allocating_it(capsys: pytest.CaptureFixture) -> None:

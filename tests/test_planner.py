@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightdist.cli import main
+from lightdist.layout import ParallelLayout
 from lightdist.models import Llama
 from lightdist.models.llama import LLAMA_PRESETS
 from lightdist.planner import Cluster, GiB, Layout, ModelShape, Training, estimate
+from lightdist.plugins import ParallelStrategy
+
+from multirank import run_ranks
 
 LLAMA_70B = ["--model", "lightdist.models.Llama", "--init-args", '{"preset": "70b"}']
 
@@ -41,6 +48,45 @@ def test_parameters_per_rank_are_split_as_the_strategy_splits_them() -> None:
         tied = ModelShape(Llama("tiny", config={"tie_embeddings": True}))
     assert tied.parameters == tied.rank_parameters(pp=1, tp=1, dp=1)[0][0] == 193_088 - 64 * 64
     assert sum(whole for whole, _ in tied.rank_parameters(pp=2, tp=1, dp=1)) == 193_088
+
+
+def held_by(preset: str, pp: int, dp: int, tp: int, rank: int) -> int:
+    """Elements of the parameters ``ParallelStrategy`` leaves ``rank`` of pp x dp x tp ranks, splitting a meta-device
+    Llama in a fake process group: nothing is allocated and nothing is sent."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=pp * dp * tp)
+    try:
+        strategy = ParallelStrategy(pipeline_parallel_size=pp, tensor_parallel_size=tp, zero_stage=3)
+        strategy.parallel_devices = [torch.device("cpu")]
+        strategy._layout = ParallelLayout(pp=pp, dp=dp, tp=tp)
+        strategy._device_mesh = strategy._layout.build_mesh("cpu")
+        model = meta_llama(preset)
+        strategy._parallelize(model)
+        return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+
+
+def held_by_each(cases: list[tuple[str, int, int, int, int]]) -> list[int]:
+    return [held_by(*case) for case in cases]
+
+
+BIG_LAYOUTS = {  # preset: (pp, dp, tp)
+    "8b": (2, 2, 2),  # 8 GPUs
+    "70b": (8, 2, 4),  # 64 GPUs
+    "405b": (16, 8, 8),  # 1024 GPUs
+}
+
+
+def test_parameters_per_rank_are_what_the_strategy_leaves_each_rank_of_a_big_cluster() -> None:
+    # The first rank (the first stage) and the last (the last stage) of each cluster, in a fresh process.
+    cases = [
+        (preset, pp, dp, tp, rank) for preset, (pp, dp, tp) in BIG_LAYOUTS.items() for rank in (0, pp * dp * tp - 1)
+    ]
+    held = iter(run_ranks(1, held_by_each, cases)[0])
+    for preset, (pp, dp, tp) in BIG_LAYOUTS.items():
+        stages = ModelShape(meta_llama(preset)).rank_parameters(pp=pp, tp=tp, dp=dp)
+        (_, first), (_, last) = stages[0], stages[-1]
+        assert (next(held), next(held)) == (first, last), preset
 
 
 def test_each_zero_stage_shards_what_the_paper_says() -> None:
