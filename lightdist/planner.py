@@ -126,15 +126,15 @@ class ModelShape:
         self.plan = discover_plan(model, self.stack, tp_plan=tp_plan)
         self.parameters = sum(p.numel() for p in model.parameters())
         self.block_costs, self.embeddings, self.rest = stage_costs(model, self.stack)
-        embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-        token_embedding = max(embeddings, key=lambda m: m.num_embeddings)
-        self.dim, self.vocab = token_embedding.embedding_dim, token_embedding.num_embeddings
+        self.flops = DecoderFlops.of(model)
+        embedding_tables = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+        self.dim = self.flops.dim  # the token embedding's width
+        self.vocab = max(table.num_embeddings for table in embedding_tables)
         self._modules = dict(model.named_modules())
         self._blocks_per_stage: dict[int, list[int]] = {}
         self._rank_parameters: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
-        self.flops = DecoderFlops.of(model)
         blocks = {id(p): index for index, block in enumerate(self.stack.blocks) for p in block.parameters()}
-        first_stage = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        first_stage = {id(table.weight) for table in embedding_tables}
         self.tensors: list[_Tensor] = []
         seen: set[int] = set()
         for name, module in model.named_modules():
