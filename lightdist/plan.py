@@ -133,6 +133,11 @@ def _what_would_fit(shape: ModelShape, training: Training, cluster: Cluster, lea
     return f"It fits on GPUs with {math.ceil(leanest.total / GiB)} GiB."
 
 
+def _given_size(size: int | str | None) -> int | None:
+    """A config's size, unless it leaves the size to the planner ("auto") or to the node ("node")."""
+    return size if isinstance(size, int) else None
+
+
 def _build_on_meta(class_path: str, init_args: dict) -> nn.Module:
     module_name, _, class_name = class_path.rpartition(".")
     model_class = getattr(importlib.import_module(module_name), class_name)
@@ -169,9 +174,9 @@ def main(argv: list[str]) -> None:
         class_path = class_path or config["model"]["class_path"]
         init_args = {**config["model"].get("init_args", {}), **init_args}
         strategy = (config.get("trainer", {}).get("strategy") or {}).get("init_args", {})
-        tp = tp or strategy.get("tensor_parallel_size")
+        tp = tp or _given_size(strategy.get("tensor_parallel_size"))
         tp_plan = strategy.get("tp_plan")
-        pp, split = pp or strategy.get("pipeline_parallel_size"), strategy.get("pipeline_split")
+        pp, split = pp or _given_size(strategy.get("pipeline_parallel_size")), strategy.get("pipeline_split")
         schedule = schedule or strategy.get("pipeline_schedule")
         virtual_stages = virtual_stages or strategy.get("virtual_stages")
     if class_path is None:

@@ -31,6 +31,7 @@ __all__ = [
     "Layout",
     "ModelShape",
     "Training",
+    "choose_layout",
     "estimate",
     "plan_layouts",
     "tensor_parallel_shape",
@@ -75,9 +76,10 @@ class Cluster:
     intra_node_gbps: float = 450.0  # GB/s per GPU inside a node (NVLink 4)
     inter_node_gbps: float = 50.0  # GB/s per GPU between nodes (400 Gb/s InfiniBand)
     efficiency: float = 0.5  # the share of peak that compute reaches
+    device: str = "GPU"
 
     def describe(self) -> str:
-        return f"{self.gpus} GPUs ({self.gpus_per_node} per node, {self.memory_gib:g} GiB each)"
+        return f"{self.gpus} {self.device}s ({self.gpus_per_node} per node, {self.memory_gib:g} GiB each)"
 
 
 @dataclass(frozen=True)
@@ -272,6 +274,69 @@ def plan_layouts(shape: ModelShape, training: Training, cluster: Cluster) -> lis
                 min(fitting, key=lambda e: (e.step_s, e.total)) if fitting else min(options, key=lambda e: e.total)
             )
     return sorted(plans, key=lambda e: (not e.fits, e.step_s if e.fits else e.total))
+
+
+def choose_layout(
+    shape: ModelShape,
+    cluster: Cluster,
+    *,
+    seq_len: int,
+    batch_per_replica: int,
+    precision: Literal["bf16-mixed", "32-true"],
+    zero_stage: int,
+    activation_checkpointing: ActivationCheckpointing,
+    pp: int | None = None,
+    dp: int | None = None,
+    tp: int | None = None,
+    microbatches: int | None = None,
+    stages_per_rank: int = 1,
+) -> Estimate:
+    """The split of ``cluster.gpus`` ranks that trains the most tokens per second and fits, for sizes left ``None``.
+
+    Unlike :func:`plan_layouts`, which holds the global batch, this holds the batch each data-parallel rank is given
+    (Lightning's ``batch_size``): more data parallelism trains more sequences per step, so layouts are ranked by
+    tokens per second, not by step time. The ZeRO stage and activation checkpointing are the user's; the pipeline
+    cuts each rank's batch into ``microbatches`` (default ``pp``).
+    """
+    fixed = ", ".join(f"{name}={size}" for name, size in (("pp", pp), ("dp", dp), ("tp", tp)) if size is not None)
+    candidates = []
+    for tp_size in _divisors(cluster.gpus):
+        if tp not in (None, tp_size) or tp_size > cluster.gpus_per_node or not shape.splits_evenly(tp_size):
+            continue
+        for pp_size in _divisors(cluster.gpus // tp_size):
+            dp_size = cluster.gpus // (tp_size * pp_size)
+            chunks = (microbatches or pp_size) if pp_size > 1 else 1
+            if pp not in (None, pp_size) or dp not in (None, dp_size) or batch_per_replica % chunks:
+                continue
+            if pp_size * stages_per_rank > shape.n_layers:
+                continue
+            layout = Layout(pp_size, dp_size, tp_size, zero_stage, activation_checkpointing, chunks)
+            training = Training(seq_len, batch_per_replica * dp_size, batch_per_replica // chunks, precision)
+            candidates.append(estimate(shape, layout, training, cluster))
+    if not candidates:
+        raise ValueError(
+            f"No split of {cluster.gpus} ranks into pp x dp x tp suits {shape.name}"
+            + (f" with {fixed}" if fixed else "")
+            + f": tp must divide its heads and stay inside a node of {cluster.gpus_per_node}, pp at most "
+            f"{shape.n_layers // stages_per_rank} stages, and the microbatches must divide batch_size="
+            f"{batch_per_replica}. Set the sizes yourself, or change the device count or the batch size."
+        )
+    fitting = [candidate for candidate in candidates if candidate.fits]
+    if not fitting:
+        leanest = min(candidates, key=lambda candidate: candidate.total)
+        remedies = ["shard more (zero_stage=3)"] if zero_stage < 3 else []
+        if activation_checkpointing != "full":
+            remedies.append("recompute activations (activation_checkpointing='full')")
+        remedies += ["lower batch_size or seq_len", "add devices"]
+        raise ValueError(
+            f"No layout of {shape.name} on {cluster.describe()} fits {batch_per_replica} x {seq_len} tokens per "
+            f"data-parallel rank at zero_stage={zero_stage}, activation_checkpointing={activation_checkpointing!r}"
+            + (f", {fixed}" if fixed else "")
+            + f": the leanest, {leanest.layout}, needs {leanest.total / GiB:.1f} GiB per device. "
+            + f"{', '.join(remedies[:-1])} or {remedies[-1]}".capitalize()
+            + "; `lightdist plan --gpus N` shows every layout."
+        )
+    return min(fitting, key=lambda candidate: (candidate.step_s / candidate.layout.dp, candidate.total))
 
 
 def _divisors(n: int) -> list[int]:

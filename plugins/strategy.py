@@ -18,6 +18,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from torch.distributed import ReduceOp
@@ -52,6 +53,8 @@ from lightdist.pipeline import (
     tied_across_stages,
     virtual_stages_of,
 )
+from lightdist.planner import GiB
+from lightdist.plugins.auto_layout import planned_layout
 from lightdist.plugins.metric_sync import reduce_metrics_over
 from lightdist.plugins.pipeline import PipelineStep, TiedGradients
 from lightdist.plugins.rank_state import gather_rank_states, take_rank_state
@@ -106,8 +109,13 @@ class ParallelStrategy(ModelParallelStrategy):
     Args:
         data_parallel_size: Ranks that see different batches; ``"auto"`` gives every rank not used by tensor or
             pipeline parallelism.
-        tensor_parallel_size: Ranks that split each layer's matrices; ``"auto"``: the devices of one node.
-        pipeline_parallel_size: Ranks that each hold a slice of the decoder stack.
+        tensor_parallel_size: Ranks that split each layer's matrices; ``"node"``: the devices of one node;
+            ``"auto"``: the planner picks it (see below).
+        pipeline_parallel_size: Ranks that each hold a slice of the decoder stack; ``"auto"``: the planner picks it.
+            With either size ``"auto"``, the sizes are those that train the most tokens per second within the
+            devices' memory, by ``lightdist plan``'s estimates, for the model and for the ``seq_len`` and
+            ``batch_size`` (per data-parallel rank) that the LightningModule or its data module declare; the ZeRO
+            stage and activation checkpointing stay as given. The choice is logged when ``fit`` starts.
         zero_stage: What data-parallel ranks shard: 0 nothing (DDP), 1 optimizer state, 2 also gradients,
             3 also parameters.
         pipeline_schedule: The schedule that runs microbatches through the pipeline stages: ``"gpipe"`` (all
@@ -146,8 +154,8 @@ class ParallelStrategy(ModelParallelStrategy):
     def __init__(
         self,
         data_parallel_size: int | Literal["auto"] = "auto",
-        tensor_parallel_size: int | Literal["auto"] = 1,
-        pipeline_parallel_size: int = 1,
+        tensor_parallel_size: int | Literal["auto", "node"] = 1,
+        pipeline_parallel_size: int | Literal["auto"] = 1,
         zero_stage: ZeroStage = 3,
         pipeline_schedule: PipelineSchedule = "1f1b",
         virtual_stages: int | None = None,
@@ -207,7 +215,10 @@ class ParallelStrategy(ModelParallelStrategy):
     @property
     def layout(self) -> ParallelLayout:
         if self._layout is None:
-            raise RuntimeError("The parallel layout is known once the Trainer knows its devices and nodes.")
+            raise RuntimeError(
+                "The parallel layout is known once the Trainer knows its devices and nodes, and where the planner "
+                "picks it ('auto' sizes), once the processes have started."
+            )
         return self._layout
 
     @property
@@ -230,8 +241,10 @@ class ParallelStrategy(ModelParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         # The Trainer calls this once it knows devices and nodes: the earliest point where the layout can be
-        # checked against the world size, long before any process starts or any memory is allocated.
-        self._layout = self._resolve_layout(self.num_nodes * self.num_processes)
+        # checked against the world size, long before any process starts or any memory is allocated. The planner
+        # needs the model, which the Trainer does not have yet.
+        if not self._planner_picks_sizes:
+            self._layout = self._resolve_layout(self.num_nodes * self.num_processes)
         if self._cpu_offload and self.root_device.type == "cpu":
             raise ValueError(
                 "cpu_offload=True moves sharded state from accelerator memory to CPU memory, but the accelerator is "
@@ -243,7 +256,7 @@ class ParallelStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         self._share_cpu_threads()
         self._setup_distributed()
-        self._layout = self._resolve_layout(self.world_size)
+        self._layout = self._plan_layout() if self._planner_picks_sizes else self._resolve_layout(self.world_size)
         self._device_mesh = self._layout.build_mesh(self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
@@ -524,7 +537,14 @@ class ParallelStrategy(ModelParallelStrategy):
             "lightdist_tp",
             cls,
             description="lightdist: tensor parallel across each node's devices, ZeRO-3 across nodes",
+            tensor_parallel_size="node",
+        )
+        strategy_registry.register(
+            "lightdist_auto",
+            cls,
+            description="lightdist: the planner picks the pipeline, data and tensor parallel sizes, ZeRO-3",
             tensor_parallel_size="auto",
+            pipeline_parallel_size="auto",
         )
         strategy_registry.register(
             "lightdist_pp",
@@ -604,16 +624,52 @@ class ParallelStrategy(ModelParallelStrategy):
             return
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.num_processes))
 
+    @property
+    def _planner_picks_sizes(self) -> bool:
+        return "auto" in (self._tensor_parallel_size, self._pipeline_parallel_size)
+
+    @property
+    def _node_tensor_parallel_size(self) -> int | Literal["auto"]:
+        # One node's devices: tensor parallelism needs the fastest links.
+        return self.num_processes if self._tensor_parallel_size == "node" else self._tensor_parallel_size
+
     def _resolve_layout(self, world_size: int) -> ParallelLayout:
-        tensor_parallel_size = self._tensor_parallel_size
-        if tensor_parallel_size == "auto":
-            tensor_parallel_size = self.num_processes  # one node's devices: tensor parallelism needs the fastest links
         return ParallelLayout.resolve(
             world_size,
             data_parallel_size=self._data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_size=self._node_tensor_parallel_size,
             pipeline_parallel_size=self._pipeline_parallel_size,
         )
+
+    def _plan_layout(self) -> ParallelLayout:
+        """Every rank plans, so that each raises a bad input itself; rank 0's layout is taken, so that ranks on
+        machines that differ cannot disagree."""
+
+        def given(size: int | str) -> int | None:
+            return None if size == "auto" else size
+
+        layout, choice = planned_layout(
+            self.lightning_module,
+            world_size=self.world_size,
+            devices_per_node=self.num_processes,
+            device=self.root_device,
+            pp=given(self._pipeline_parallel_size),
+            dp=given(self._data_parallel_size),
+            tp=given(self._node_tensor_parallel_size),
+            zero_stage=self._zero_stage,
+            activation_checkpointing=self._activation_checkpointing,
+            microbatches=self._microbatches,
+            stages_per_rank=self._virtual_stages,
+            tp_plan=self._tp_plan,
+        )
+        layout = self.broadcast(layout)
+        _check_microbatch_rounds(self._pipeline_schedule, self._microbatches, layout.pp)
+        rank_zero_info(
+            f"lightdist: the planner chose {layout} for the 'auto' sizes: about {choice.total / GiB:.2f} GiB per "
+            f"device, the most tokens per second of the layouts that fit (`lightdist plan --gpus {self.world_size}`"
+            " explains the estimate)."
+        )
+        return layout
 
     def _parallelize(self, module: pl.LightningModule) -> _ParallelRoot:
         """Tensor parallelism, activation checkpointing, then data parallelism: torchtitan's order. Once per module."""
@@ -788,7 +844,7 @@ def _validate_options(
     *,
     data_parallel_size: int | str,
     tensor_parallel_size: int | str,
-    pipeline_parallel_size: int,
+    pipeline_parallel_size: int | str,
     zero_stage: int,
     pipeline_schedule: str,
     virtual_stages: int | None,
@@ -799,11 +855,13 @@ def _validate_options(
     storage_options: Any,
 ) -> None:
     """Reject impossible options when the strategy is built, before any process or tensor exists."""
-    for name, size in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
-        if size != "auto" and (not isinstance(size, int) or size < 1):
-            raise ValueError(f"{name}={size!r} must be a positive integer or 'auto'.")
-    if not isinstance(pipeline_parallel_size, int) or pipeline_parallel_size < 1:
-        raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size!r} must be a positive integer.")
+    for name, size, words in (
+        ("data_parallel_size", data_parallel_size, ("auto",)),
+        ("tensor_parallel_size", tensor_parallel_size, ("auto", "node")),
+        ("pipeline_parallel_size", pipeline_parallel_size, ("auto",)),
+    ):
+        if size not in words and (not isinstance(size, int) or size < 1):
+            raise ValueError(f"{name}={size!r} must be a positive integer or {' or '.join(map(repr, words))}.")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(
             f"zero_stage={zero_stage!r} is not a ZeRO stage. Choose 0 (replicate), 1 (shard optimizer state), "
@@ -823,18 +881,8 @@ def _validate_options(
                 f"pipeline_schedule={pipeline_schedule!r} runs one stage per rank, but virtual_stages={virtual_stages}."
                 " Use pipeline_schedule='interleaved_1f1b' or 'zero_bubble' for several stages per rank."
             )
-    if (
-        pipeline_schedule in ("interleaved_1f1b", "zero_bubble")
-        and microbatches is not None
-        and pipeline_parallel_size > 1
-    ):
-        rounds = max(1, microbatches // pipeline_parallel_size)
-        if microbatches % rounds:
-            raise ValueError(
-                f"pipeline_schedule={pipeline_schedule!r} runs microbatches in rounds of pipeline_parallel_size="
-                f"{pipeline_parallel_size}, so microbatches={microbatches} must be a multiple of {rounds} rounds. "
-                f"Choose a multiple of {pipeline_parallel_size}."
-            )
+    if isinstance(pipeline_parallel_size, int):
+        _check_microbatch_rounds(pipeline_schedule, microbatches, pipeline_parallel_size)
     if activation_checkpointing not in (None, "full", "selective"):
         raise ValueError(
             f"activation_checkpointing={activation_checkpointing!r} is not one of None, 'full', 'selective'."
@@ -861,4 +909,16 @@ def _validate_options(
             "pipeline_schedule='zbv' is not offered: torch's V-shaped schedule cannot run forward-only (its eval "
             "passes a backward between the two stages of a rank), so validation and predict would fail. Use "
             "pipeline_schedule='zero_bubble', the interleaved zero-bubble schedule."
+        )
+
+
+def _check_microbatch_rounds(pipeline_schedule: str, microbatches: int | None, pipeline_parallel_size: int) -> None:
+    if pipeline_schedule not in ("interleaved_1f1b", "zero_bubble") or microbatches is None:
+        return
+    rounds = max(1, microbatches // pipeline_parallel_size)
+    if pipeline_parallel_size > 1 and microbatches % rounds:
+        raise ValueError(
+            f"pipeline_schedule={pipeline_schedule!r} runs microbatches in rounds of pipeline_parallel_size="
+            f"{pipeline_parallel_size}, so microbatches={microbatches} must be a multiple of {rounds} rounds. "
+            f"Choose a multiple of {pipeline_parallel_size}."
         )

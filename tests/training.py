@@ -146,6 +146,7 @@ class Result:
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # full state dict after training
     validated: dict[str, float] = field(default_factory=dict)  # what trainer.validate returned after training
     grad_norms: list[float] = field(default_factory=list)  # per optimizer step, before clipping (TrainingMonitor)
+    layout: str = ""  # the layout ParallelStrategy trained under
 
 
 class _RecordLosses(Callback):
@@ -154,6 +155,8 @@ class _RecordLosses(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.step = trainer.global_step
+        if isinstance(trainer.strategy, ParallelStrategy):
+            self.result.layout = str(trainer.strategy.layout)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")
