@@ -3,10 +3,12 @@
 Parameters per rank are counted as the strategy splits them: the same tensor-parallel plan, pipeline split and ZeRO
 sharding, read from a model built on the meta device. The rest is a model for ranking layouts, not a promise:
 
-- memory: fp32 master weights (4 bytes per parameter), fp32 gradients (4) and Adam's two moments (8), each sharded as
-  the ZeRO stage says; under mixed precision, the 16-bit copy of weights gathered for compute; activations per block
-  as Korthikanti et al. (2022) count them for attention that never stores its scores (SDPA), split over tensor- and
-  sequence-parallel ranks and held for as many microbatches as the pipeline keeps in flight; and the logits.
+- memory, at the end of a step's forward, where it peaks: fp32 master weights (4 bytes per parameter), the previous
+  step's fp32 gradients (4; Lightning frees them only before backward) and Adam's two moments (8), each sharded as the
+  ZeRO stage says; the weights FSDP2 gathers for compute (all of them, except under ZeRO-3: the embeddings, final norm
+  and head that the root keeps gathered); the activations each block saves for backward, measured once by running the
+  model on fake tensors (no memory), split over tensor- and sequence-parallel ranks and held for as many microbatches
+  as the pipeline keeps in flight; and the logits with their fp32 log-softmax.
 - step time: the model's FLOPs at a share (``efficiency``) of the devices' peak, stretched by recomputation and by
   the pipeline's bubble, plus ring all-reduce and all-gather time of tensor- and data-parallel traffic at the links'
   bandwidth, with no overlap assumed.
@@ -15,10 +17,15 @@ sharding, read from a model built on the meta device. The rest is a model for ra
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
+import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
 
 from lightdist.pipeline import balanced_split, stage_costs
 from lightdist.structure import find_decoder_stack
@@ -39,8 +46,11 @@ __all__ = [
 
 GiB = 2**30
 ActivationCheckpointing = Literal["selective", "full"] | None
-# Bytes of activations a block keeps for backward, per token and per unit of the hidden size, at 16 bits.
-_ACTIVATION_BYTES = {None: 34, "selective": 24, "full": 2}
+# What selective checkpointing keeps of a block's activations: Korthikanti et al. (2022), 24 of 34 bytes.
+_SELECTIVE_SHARE = 24 / 34
+# Their count of a GPT block's activations for models that cannot run on fake tensors: 34 bytes per token and hidden
+# unit at 16 bits, so 68 at fp32.
+_KORTHIKANTI_FP32_BYTES = 68
 _RECOMPUTE = {None: 1.0, "selective": 1.05, "full": 4 / 3}  # full recomputes each block's forward once more
 
 
@@ -52,6 +62,7 @@ class Layout:
     zero_stage: int = 3
     activation_checkpointing: ActivationCheckpointing = None
     microbatches: int = 1  # per optimizer step and data-parallel rank
+    loss_parallel: bool = False  # under tp, the logits stay split by vocabulary
 
     def __str__(self) -> str:
         checkpointing = f", {self.activation_checkpointing} ckpt" if self.activation_checkpointing else ""
@@ -134,7 +145,7 @@ class ModelShape:
         self.vocab = max(table.num_embeddings for table in embedding_tables)
         self._modules = dict(model.named_modules())
         self._blocks_per_stage: dict[int, list[int]] = {}
-        self._rank_parameters: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+        self._rank_parameters: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
         blocks = {id(p): index for index, block in enumerate(self.stack.blocks) for p in block.parameters()}
         first_stage = {id(table.weight) for table in embedding_tables}
         self.tensors: list[_Tensor] = []
@@ -168,6 +179,66 @@ class ModelShape:
     def rank_parameters(self, pp: int, tp: int, dp: int) -> list[tuple[int, int]]:
         """For each pipeline rank: the parameters it holds as tensor parallelism leaves them, and its ZeRO shard of
         them (FSDP2 splits each tensor's first dimension over ``dp`` ranks, padding it to a multiple)."""
+        return [(whole, sharded) for whole, sharded, _ in self._count_parameters(pp, tp, dp)]
+
+    def root_parameters(self, pp: int, tp: int) -> list[int]:
+        """For each pipeline rank: its parameters outside the blocks (embeddings, final norm, head), which the FSDP2
+        root keeps gathered from forward to backward under ZeRO-3."""
+        return [outside for _, _, outside in self._count_parameters(pp, tp, 1)]
+
+    @cached_property
+    def activation_bytes_per_token(self) -> list[float]:
+        """Bytes each block saves for backward per token, at fp32: measured by running the model forward on fake
+        tensors (nothing allocated, nothing computed), so that its own layers, attention kernel and activation
+        function are what is counted. Weights and buffers are not activations; a tensor saved twice counts once.
+        A model fake tensors cannot run (its forward branches on values, or does not take a batch of token ids) is
+        counted as Korthikanti et al. count a GPT block, with a warning."""
+        tokens = 64
+        saved: dict[int, int] = {}  # storage -> bytes, of the block that first saved it
+        block_of_storage: dict[int, int] = {}
+        current: list[int | None] = [None]
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if current[0] is not None and storage._cdata not in saved:
+                saved[storage._cdata] = storage.nbytes()
+                block_of_storage[storage._cdata] = current[0]
+            return tensor
+
+        hooks = []
+        for index, block in enumerate(self.stack.blocks):
+            hooks.append(block.register_forward_pre_hook(lambda *_, index=index: current.__setitem__(0, index)))
+            hooks.append(block.register_forward_hook(lambda *_: current.__setitem__(0, None)))
+        try:
+            with FakeTensorMode():
+                state = {
+                    name: torch.empty(p.shape, dtype=torch.float32, requires_grad=True)
+                    for name, p in self.model.named_parameters()
+                }
+                state |= {
+                    name: torch.empty(b.shape, dtype=torch.float32 if b.is_floating_point() else b.dtype)
+                    for name, b in self.model.named_buffers()
+                }
+                saved.update((t.untyped_storage()._cdata, 0) for t in state.values())  # weights are not activations
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                    functional_call(self.model, state, (torch.zeros(1, tokens, dtype=torch.long),))
+        except (RuntimeError, TypeError) as error:  # fake tensors' errors are RuntimeErrors
+            warnings.warn(
+                f"{self.name} cannot run on fake tensors ({type(error).__name__}: {error}), so its activations are "
+                f"estimated as Korthikanti et al. count a GPT block's, {_KORTHIKANTI_FP32_BYTES // 2} bytes per token "
+                "and hidden unit at 16 bits, rather than measured.",
+                stacklevel=2,
+            )
+            return [_KORTHIKANTI_FP32_BYTES * self.dim] * self.n_layers
+        finally:
+            for hook in hooks:
+                hook.remove()
+        per_block = [0.0] * self.n_layers
+        for storage, index in block_of_storage.items():
+            per_block[index] += saved[storage] / tokens
+        return per_block
+
+    def _count_parameters(self, pp: int, tp: int, dp: int) -> list[tuple[int, int, int]]:
         key = (pp, tp, dp)
         if key not in self._rank_parameters:
             sizes = self.blocks_per_stage(pp)
@@ -175,7 +246,7 @@ class ModelShape:
             counts = []
             for pp_rank in range(pp):
                 held = range(sum(sizes[:pp_rank]), sum(sizes[: pp_rank + 1]))
-                whole = sharded = 0
+                whole = sharded = outside = 0
                 for tensor in self.tensors:
                     first, last = tensor.place == "first" and pp_rank == 0, tensor.place == "last" and pp_rank == pp - 1
                     if not (first or last or tensor.place in held) or (tensor.tied_copy and pp == 1):
@@ -184,40 +255,66 @@ class ModelShape:
                     shape = tensor_parallel_shape(tensor.shape, style, tp, weight=tensor.weight)
                     whole += math.prod(shape)
                     sharded += math.ceil(shape[0] / dp) * math.prod(shape[1:])
-                counts.append((whole, sharded))
+                    outside += math.prod(shape) if first or last else 0
+                counts.append((whole, sharded, outside))
             self._rank_parameters[key] = counts
         return self._rank_parameters[key]
 
 
 def estimate(shape: ModelShape, layout: Layout, training: Training, cluster: Cluster) -> Estimate:
-    """Memory of the rank that needs the most, and the step time, of ``layout``."""
+    """Memory of the rank that needs the most, at the end of the forward where it peaks, and the step time."""
     compute_bytes = 2 if training.precision == "bf16-mixed" else 4
     # Under a pipeline each stage gathers its ZeRO-3 weights once per step and keeps them: ZeRO-2's memory.
     zero = min(layout.zero_stage, 2) if layout.pp > 1 else layout.zero_stage
     tokens = training.micro_batch * training.seq_len  # per microbatch
-    blocks_per_stage = shape.blocks_per_stage(layout.pp)
-    largest_block = max(shape.block_costs) / layout.tp
+    sizes = shape.blocks_per_stage(layout.pp)
+    saved = [
+        bytes_per_token * compute_bytes / 4 * tokens / layout.tp for bytes_per_token in shape.activation_bytes_per_token
+    ]
     worst: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
-    for pp_rank, (whole, sharded) in enumerate(shape.rank_parameters(layout.pp, layout.tp, layout.dp)):
-        params = {
-            0: 4 * whole,
-            1: 4 * whole,
-            2: 4 * sharded + (compute_bytes * whole if compute_bytes == 2 else 0),
-            3: 4 * sharded + 2 * compute_bytes * largest_block,  # this block and the next, gathered
-        }[zero]
-        grads = 4 * (sharded if zero >= 2 else whole)
+    rank_parameters = shape.rank_parameters(layout.pp, layout.tp, layout.dp)
+    for pp_rank, ((whole, sharded), outside) in enumerate(
+        zip(rank_parameters, shape.root_parameters(layout.pp, layout.tp), strict=True)
+    ):
+        held = slice(sum(sizes[:pp_rank]), sum(sizes[: pp_rank + 1]))  # this rank's blocks
+        # FSDP2 computes with gathered copies: of everything from forward to backward, or under ZeRO-3 of the root's
+        # embeddings and head only, the blocks gathered one at a time.
+        gathered = compute_bytes * (outside if zero == 3 else whole)
+        params = 4 * (sharded if zero >= 2 else whole) + gathered
+        if layout.pp == 1:  # the previous step's, freed only before this step's backward
+            grads = 4 * (sharded if zero >= 2 else whole)
+        else:
+            # Zeroed before the schedule, then accumulated whole over the microbatches and reduced at the end: with
+            # the fresh gradient of the largest group (or its reduce-scatter copy) and the reduced shards beside them.
+            largest_group = max(outside, max(shape.block_costs[held]) / layout.tp)
+            grads = 4 * (whole + largest_group + (sharded if layout.dp > 1 else 0))
         optimizer = 8 * (sharded if zero >= 1 else whole)
+        blocks = saved[held]
         in_flight = 1 if layout.pp == 1 else min(layout.microbatches, layout.pp - pp_rank)  # 1F1B
-        per_block = _ACTIVATION_BYTES[layout.activation_checkpointing] * shape.dim * tokens * compute_bytes / 2
-        activations = blocks_per_stage[pp_rank] * per_block / layout.tp * in_flight
-        if pp_rank == layout.pp - 1:  # the logits, their fp32 copy for the loss and its gradient
-            activations += tokens * shape.vocab * (compute_bytes + 4 + 4)
+        if layout.activation_checkpointing == "full":  # each block's input, and one block recomputed in backward
+            activations = len(blocks) * tokens * shape.dim * compute_bytes / layout.tp * in_flight + max(blocks)
+        else:
+            share = _SELECTIVE_SHARE if layout.activation_checkpointing == "selective" else 1.0
+            activations = sum(blocks) * share * in_flight
+        if pp_rank == layout.pp - 1:
+            activations += tokens * _logit_bytes(shape.vocab, layout, compute_bytes)
         rank = (params, grads, optimizer, activations)
         if sum(rank) > sum(worst):
             worst = rank
     step_s = _step_seconds(shape, layout, training, cluster, compute_bytes, zero)
     fits = sum(worst) <= cluster.memory_gib * GiB
     return Estimate(layout, *worst, step_s=step_s, fits=fits)
+
+
+def _logit_bytes(vocab: int, layout: Layout, compute_bytes: int) -> float:
+    """Per token: the logits, their fp32 copy for the loss (the reference models' ``.float()``; none in fp32) and the
+    fp32 log-softmax that cross-entropy saves. Without loss parallelism each tp rank gathers the whole vocabulary."""
+    loss = (4 if compute_bytes < 4 else 0) + 4
+    if layout.tp > 1 and layout.loss_parallel:
+        return vocab / layout.tp * (compute_bytes + loss)
+    if layout.tp > 1:
+        return vocab * (compute_bytes / layout.tp + compute_bytes + loss)
+    return vocab * (compute_bytes + loss)
 
 
 def _step_seconds(
