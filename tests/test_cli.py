@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from lightning.pytorch import Trainer
 
 from lightdist.cli import main
@@ -148,6 +149,16 @@ def test_plan_shows_every_split_of_a_70b_model_without_allocating_it(capsys: pyt
 
 def test_plan_reads_the_model_and_tp_size_from_a_config(capsys: pytest.CaptureFixture) -> None:
     main(["plan", "--config", str(CONFIGS / "tp2_zero3_cpu.yaml")])
+    assert capsys.readouterr().out.startswith("Llama: 4 blocks in model.layers, tensor_parallel_size=2\n")
+
+
+def test_plan_of_a_config_that_leaves_the_sizes_to_the_planner_shows_the_tp2_plan(
+    capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    config = yaml.safe_load((CONFIGS / "tp2_zero3_cpu.yaml").read_text())
+    config["trainer"]["strategy"]["init_args"].update(tensor_parallel_size="auto", pipeline_parallel_size="auto")
+    (tmp_path / "auto.yaml").write_text(yaml.safe_dump(config))
+    main(["plan", "--config", str(tmp_path / "auto.yaml")])
     assert capsys.readouterr().out.startswith("Llama: 4 blocks in model.layers, tensor_parallel_size=2\n")
 
 

@@ -93,6 +93,24 @@ def test_parameters_per_rank_are_what_the_strategy_leaves_each_rank_of_a_big_clu
         assert (next(held), next(held)) == (first, last), preset
 
 
+class LlamaCheckingItsInput(Llama):
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.max() >= self.config.vocab_size:  # a branch on values, which fake tensors do not hold
+            raise ValueError("token id out of range")
+        return super().forward(tokens)
+
+
+def test_activations_are_measured_per_block_or_counted_as_korthikanti_counts_them() -> None:
+    # Llama: 80 bytes per token and hidden unit at fp32 (Korthikanti et al. count 68 for a GPT block).
+    assert [round(per_block / 64, 1) for per_block in ModelShape(meta_llama("tiny")).activation_bytes_per_token] == [
+        80.4
+    ] * 4
+    with torch.device("meta"):
+        branching = ModelShape(LlamaCheckingItsInput("tiny"))
+    with pytest.warns(UserWarning, match=r"LlamaCheckingItsInput cannot run on fake tensors .* 34 bytes per token"):
+        assert branching.activation_bytes_per_token == [68 * 64] * 4
+
+
 def test_each_zero_stage_shards_what_the_paper_says() -> None:
     shape, cluster = ModelShape(meta_llama("8b")), Cluster(gpus=8)
     training = Training(seq_len=2048, global_batch=64, micro_batch=2)  # 4 microbatches of 2 on each of 8 ranks
