@@ -58,6 +58,7 @@ from lightdist.plugins.auto_layout import planned_layout
 from lightdist.plugins.metric_sync import reduce_metrics_over
 from lightdist.plugins.pipeline import PipelineStep, TiedGradients
 from lightdist.plugins.rank_state import gather_rank_states, take_rank_state
+from lightdist.restarts import restart_attempt_store
 from lightdist.rng import set_rng_state
 from lightdist.sharding import ShardedOptimizer, ZeroStage, apply_data_parallel
 from lightdist.storage import (
@@ -251,6 +252,21 @@ class ParallelStrategy(ModelParallelStrategy):
                 "the CPU. Drop cpu_offload, or train on GPUs."
             )
         super()._configure_launcher()
+
+    @override
+    def _setup_distributed(self) -> None:
+        store = restart_attempt_store(self._timeout)
+        if store is not None and not dist.is_initialized():
+            self.set_world_ranks()
+            dist.init_process_group(
+                self._get_process_group_backend(),
+                store=store,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                timeout=self._timeout,
+                device_id=self.root_device if self.root_device.type != "cpu" else None,
+            )
+        super()._setup_distributed()  # Lightning's finds the process group made and goes on
 
     @override
     def setup_environment(self) -> None:
