@@ -7,9 +7,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightdist.plugins.checkpoint import ModelCheckpoint
 from lightdist.plugins.loggers import WandbLogger
 from lightdist.plugins.monitor import TrainingMonitor
+from lightdist.plugins.non_finite import NonFiniteError
 from lightdist.plugins.strategy import ParallelStrategy
 
-__all__ = ["ModelCheckpoint", "ParallelStrategy", "TrainingMonitor", "WandbLogger"]
+__all__ = ["ModelCheckpoint", "NonFiniteError", "ParallelStrategy", "TrainingMonitor", "WandbLogger"]
 
 if "lightdist" not in StrategyRegistry:
     ParallelStrategy.register_strategies(StrategyRegistry)

@@ -18,7 +18,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from torch.distributed import ReduceOp
@@ -56,6 +56,7 @@ from lightdist.pipeline import (
 from lightdist.planner import GiB
 from lightdist.plugins.auto_layout import planned_layout
 from lightdist.plugins.metric_sync import reduce_metrics_over
+from lightdist.plugins.non_finite import NonFiniteError, NonFinitePolicy, NonFiniteStep, check_finite
 from lightdist.plugins.pipeline import PipelineStep, TiedGradients
 from lightdist.plugins.rank_state import gather_rank_states, take_rank_state
 from lightdist.restarts import restart_attempt_store
@@ -147,6 +148,12 @@ class ParallelStrategy(ModelParallelStrategy):
         storage_options: fsspec options per protocol for checkpoint URLs, e.g. ``{"s3": {"endpoint_url": ...,
             "profile": "training", "client_kwargs": {"region_name": "eu-west-1"}}}``; they become fsspec's
             configuration in this process. Credentials are refused: they would be saved with the config.
+        non_finite: What a step whose gradient norm is not finite (inf or NaN, over every shard and stage) does:
+            ``"skip"`` leaves the weights and optimizer state as they were and goes on with the next batch;
+            ``"rollback"`` also loads the newest complete checkpoint's weights and optimizer state (the batches since
+            are not trained again); ``"stop"`` raises ``NonFiniteError`` naming the step and the tensors whose
+            gradients were not finite. ``None`` (default) checks nothing. Each event is logged, and counted in
+            ``train/non_finite_steps``.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; default: the device's own.
     """
 
@@ -169,6 +176,7 @@ class ParallelStrategy(ModelParallelStrategy):
         tp_plan: dict[str, TensorParallelStyle] | None = None,
         async_checkpoint: AsyncMode | None = "process",
         storage_options: dict[str, dict[str, Any]] | None = None,
+        non_finite: NonFinitePolicy | None = None,
         process_group_backend: str | None = None,
     ) -> None:
         _validate_options(
@@ -183,6 +191,7 @@ class ParallelStrategy(ModelParallelStrategy):
             cpu_offload=cpu_offload,
             async_checkpoint=async_checkpoint,
             storage_options=storage_options,
+            non_finite=non_finite,
         )
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -203,6 +212,8 @@ class ParallelStrategy(ModelParallelStrategy):
         self._cpu_offload = cpu_offload
         self._tp_plan = tp_plan
         self._async_checkpoint = async_checkpoint
+        self._non_finite = non_finite
+        self._non_finite_steps = 0
         # Applied now: Lightning looks for ckpt_path="last" before any strategy hook runs. Every rank's process builds
         # the strategy (the script runs in each, under torchrun and Lightning's launcher alike).
         configure(storage_options or {})
@@ -332,6 +343,7 @@ class ParallelStrategy(ModelParallelStrategy):
             "loss_parallel": self._loss_parallel and tp > 1,
             "activation_checkpointing": self._activation_checkpointing,
             "cpu_offload": self._cpu_offload,
+            "non_finite": self._non_finite,
             "precision": self.precision_plugin.precision,
         }
 
@@ -389,12 +401,42 @@ class ParallelStrategy(ModelParallelStrategy):
 
         def closure_then_wait_for_staging() -> Any:
             loss = closure()
+            if self._non_finite is not None:
+                trainer = self.lightning_module.trainer
+                check_finite(
+                    self.gradient_norm(optimizer), loss, self.lightning_module, trainer.global_step, self._non_finite
+                )
             if self._checkpoints is not None:
                 with self._blocking_checkpoint():
                     self._checkpoints.wait_for_staging()
             return loss
 
-        return super().optimizer_step(optimizer, closure_then_wait_for_staging, model, **kwargs)
+        try:
+            return super().optimizer_step(optimizer, closure_then_wait_for_staging, model, **kwargs)
+        except NonFiniteStep as event:
+            optimizer.zero_grad(set_to_none=True)
+            self._after_non_finite_step(str(event))
+            return None
+
+    def _after_non_finite_step(self, report: str) -> None:
+        """Roll back if asked, and say what happened: a warning on rank 0, and the count to the loggers."""
+        self._non_finite_steps += 1
+        trainer = self.lightning_module.trainer
+        if self._non_finite == "rollback":
+            checkpoint = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
+            if not checkpoint:
+                raise NonFiniteError(
+                    f"{report} non_finite='rollback' has no checkpoint to roll back to: none was saved yet, or no "
+                    "ModelCheckpoint(save_last=True) saves one. Add it, or use non_finite='skip'."
+                )
+            self.load_checkpoint(checkpoint)
+            self._rng_state_to_restore = None  # the weights roll back; the data goes on, past the batch that failed
+            report += f" Rolled back to {resolve(checkpoint)}."
+        else:
+            report += " The step was skipped."
+        rank_zero_warn(report)
+        for logger in trainer.loggers:
+            logger.log_metrics({"train/non_finite_steps": self._non_finite_steps}, step=trainer.global_step)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -869,6 +911,7 @@ def _validate_options(
     cpu_offload: bool,
     async_checkpoint: str | None,
     storage_options: Any,
+    non_finite: str | None,
 ) -> None:
     """Reject impossible options when the strategy is built, before any process or tensor exists."""
     for name, size, words in (
@@ -915,6 +958,11 @@ def _validate_options(
                 "{'s3': {'endpoint_url': 'http://127.0.0.1:9000', 'profile': 'training'}}."
             )
         reject_credentials(storage_options)
+    if non_finite not in (None, *NonFinitePolicy.__args__):
+        raise ValueError(
+            f"non_finite={non_finite!r} is not one of 'skip' (leave the weights as they were), 'rollback' (load the "
+            "newest checkpoint), 'stop' (raise, naming the step) or None (check nothing)."
+        )
     if cpu_offload and zero_stage < 2:
         raise ValueError(
             f"cpu_offload=True needs sharded parameters and gradients, but zero_stage={zero_stage}. "
