@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -21,7 +23,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
-from torch.distributed import ReduceOp
+from torch.distributed import DistBackendError, ReduceOp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -29,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -42,7 +45,8 @@ from typing_extensions import override
 
 from lightdist.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
 from lightdist.async_checkpoint import AsyncMode, CheckpointSaver
-from lightdist.layout import ParallelLayout
+from lightdist.heartbeat import Heartbeat, describe_ranks
+from lightdist.layout import MESH_DIM_NAMES, ParallelLayout
 from lightdist.loss_parallel import vocab_parallel_cross_entropy
 from lightdist.pipeline import (
     StageModel,
@@ -83,6 +87,8 @@ if TYPE_CHECKING:
     from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
 __all__ = ["ParallelStrategy"]
+
+log = logging.getLogger(__name__)
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"]
 
@@ -154,6 +160,9 @@ class ParallelStrategy(ModelParallelStrategy):
             are not trained again); ``"stop"`` raises ``NonFiniteError`` naming the step and the tensors whose
             gradients were not finite. ``None`` (default) checks nothing. Each event is logged, and counted in
             ``train/non_finite_steps``.
+        collective_timeout: Seconds a collective waits for the other ranks before it fails (default 1800, torch's),
+            in every group the strategy makes. The rank that times out names the rank that stopped answering: each
+            rank's heartbeat (its step, and where its main thread is) is in the process group's store.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; default: the device's own.
     """
 
@@ -177,6 +186,7 @@ class ParallelStrategy(ModelParallelStrategy):
         async_checkpoint: AsyncMode | None = "process",
         storage_options: dict[str, dict[str, Any]] | None = None,
         non_finite: NonFinitePolicy | None = None,
+        collective_timeout: float = 1800.0,
         process_group_backend: str | None = None,
     ) -> None:
         _validate_options(
@@ -192,11 +202,13 @@ class ParallelStrategy(ModelParallelStrategy):
             async_checkpoint=async_checkpoint,
             storage_options=storage_options,
             non_finite=non_finite,
+            collective_timeout=collective_timeout,
         )
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=collective_timeout),
         )
         self._pipeline_parallel_size = pipeline_parallel_size
         self._zero_stage = zero_stage
@@ -214,6 +226,7 @@ class ParallelStrategy(ModelParallelStrategy):
         self._async_checkpoint = async_checkpoint
         self._non_finite = non_finite
         self._non_finite_steps = 0
+        self._heartbeat: Heartbeat | None = None
         # Applied now: Lightning looks for ckpt_path="last" before any strategy hook runs. Every rank's process builds
         # the strategy (the script runs in each, under torchrun and Lightning's launcher alike).
         configure(storage_options or {})
@@ -285,11 +298,40 @@ class ParallelStrategy(ModelParallelStrategy):
         self._setup_distributed()
         self._layout = self._plan_layout() if self._planner_picks_sizes else self._resolve_layout(self.world_size)
         self._device_mesh = self._layout.build_mesh(self.root_device.type)
+        for name in MESH_DIM_NAMES:  # torch makes a mesh's groups with its own default timeout, not the world's
+            _set_pg_timeout(self._timeout, self._device_mesh[name].get_group())
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+        if self.world_size > 1 and self._heartbeat is None:
+            interval_s = min(10.0, self._timeout.total_seconds() / 4)
+            self._heartbeat = Heartbeat(_get_default_store(), self.global_rank, interval_s)
+            self._heartbeat.start()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._heartbeat is not None:
+            self._heartbeat.beat(self.lightning_module.trainer.global_step)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Say which rank stopped answering when a collective failed: the error itself names none."""
+        super().on_exception(exception)
+        if self._heartbeat is None or not _failed_collective(exception):
+            return
+        report = "lightdist: the ranks' last heartbeats:\n" + describe_ranks(
+            self._heartbeat.store, self.world_size, self._heartbeat.interval_s
+        )
+        if hasattr(exception, "add_note"):  # Python 3.11+: printed under the error
+            exception.add_note(report)
+        else:
+            log.error(report)
 
     @override
     def teardown(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         if self._checkpoints is not None:
             self._checkpoints.wait()  # the last upload finishes before the process may exit
             self._report_failed_saves()
@@ -845,7 +887,7 @@ class ParallelStrategy(ModelParallelStrategy):
             return None
         mesh = self.device_mesh.mesh
         pairs = [[int(mesh[0, d, t]), int(mesh[-1, d, t])] for d in range(mesh.shape[1]) for t in range(mesh.shape[2])]
-        group, _ = dist.new_subgroups_by_enumeration(pairs)
+        group, _ = dist.new_subgroups_by_enumeration(pairs, timeout=self._timeout)
         index = self.device_mesh["pp"].get_local_rank()
         if index not in (0, self.layout.pp - 1):
             return None
@@ -912,6 +954,7 @@ def _validate_options(
     async_checkpoint: str | None,
     storage_options: Any,
     non_finite: str | None,
+    collective_timeout: float,
 ) -> None:
     """Reject impossible options when the strategy is built, before any process or tensor exists."""
     for name, size, words in (
@@ -958,6 +1001,8 @@ def _validate_options(
                 "{'s3': {'endpoint_url': 'http://127.0.0.1:9000', 'profile': 'training'}}."
             )
         reject_credentials(storage_options)
+    if not isinstance(collective_timeout, int | float) or collective_timeout <= 0:
+        raise ValueError(f"collective_timeout={collective_timeout!r} must be a positive number of seconds.")
     if non_finite not in (None, *NonFinitePolicy.__args__):
         raise ValueError(
             f"non_finite={non_finite!r} is not one of 'skip' (leave the weights as they were), 'rollback' (load the "
@@ -986,3 +1031,10 @@ def _check_microbatch_rounds(pipeline_schedule: str, microbatches: int | None, p
             f"{pipeline_parallel_size}, so microbatches={microbatches} must be a multiple of {rounds} rounds. "
             f"Choose a multiple of {pipeline_parallel_size}."
         )
+
+
+def _failed_collective(exception: BaseException) -> bool:
+    """A collective's error: torch's backend errors, and gloo's timeouts, which it raises as plain RuntimeErrors."""
+    return isinstance(exception, DistBackendError) or (
+        isinstance(exception, RuntimeError) and "timed out" in str(exception).lower()
+    )

@@ -1,0 +1,85 @@
+"""Which rank stopped answering: every rank's heartbeat in the process group's store, read when a collective times out.
+
+A timed-out collective tells the rank that waited only that it waited. Each rank's heartbeat thread writes, every
+``interval_s``, the time, the training step and where its main thread is. When a collective times out, the waiting rank
+reads them all: a rank whose heartbeat stopped was killed, frozen or lost with its machine; a rank that still beats is
+alive, and where its main thread is says what it is stuck in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+from torch.distributed import Store
+
+__all__ = ["Heartbeat", "describe_ranks"]
+
+_KEY = "lightdist/heartbeat/{rank}"
+
+
+class Heartbeat:
+    """A daemon thread that writes this rank's heartbeat, and ``beat(step)`` for the main thread as a step starts."""
+
+    def __init__(self, store: Store, rank: int, interval_s: float) -> None:
+        self.store, self.rank, self.interval_s = store, rank, interval_s
+        self.step = 0
+        self._stopped = threading.Event()
+        self._main_thread = threading.main_thread().ident
+        self._thread = threading.Thread(target=self._beat, name=f"lightdist-heartbeat-{rank}", daemon=True)
+
+    def start(self) -> None:
+        self._write()  # before any collective: a rank that never beat never started
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+    def beat(self, step: int) -> None:
+        """Beat now, with the step that starts: a rank that freezes right after still reports the step it froze in."""
+        self.step = step
+        self._write()
+
+    def _beat(self) -> None:
+        while not self._stopped.wait(self.interval_s):
+            try:
+                self._write()
+            except RuntimeError:  # the store's host (rank 0 or the agent) is gone: nobody is left to read it
+                return
+
+    def _write(self) -> None:
+        beat = {"time": time.time(), "step": self.step, "where": _where(self._main_thread)}
+        self.store.set(_KEY.format(rank=self.rank), json.dumps(beat))
+
+
+def describe_ranks(store: Store, world_size: int, interval_s: float) -> str:
+    """One line per rank: stopped answering (no heartbeat for 3 intervals) or alive, its step, and where it was."""
+    now, lines = time.time(), []
+    for rank in range(world_size):
+        key = _KEY.format(rank=rank)
+        if not store.check([key]):
+            lines.append(f"rank {rank}: no heartbeat at all: it never started")
+            continue
+        beat = json.loads(store.get(key))
+        silent = now - beat["time"]
+        state = (
+            f"stopped answering {silent:.0f} s ago (killed, frozen, or its machine lost)"
+            if silent > 3 * interval_s
+            else "alive"
+        )
+        lines.append(f"rank {rank}: {state}, at step {beat['step']}, in {beat['where']}")
+    return "\n".join(lines)
+
+
+def _where(thread_id: int | None) -> str:
+    """The innermost frame of the thread outside this module (whose own frames are there when it beats itself)."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    if frame is None:
+        return "an unknown place"
+    return f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"
