@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+from types import FrameType
 
 from torch.distributed import Store
 
@@ -76,10 +77,22 @@ def describe_ranks(store: Store, world_size: int, interval_s: float) -> str:
 
 
 def _where(thread_id: int | None) -> str:
-    """The innermost frame of the thread outside this module (whose own frames are there when it beats itself)."""
+    """The thread's innermost frame outside this module, and where that was called from outside torch: "in wait
+    (distributed_c10d.py:4394), from forward (llama.py:141)"."""
     frame = sys._current_frames().get(thread_id) if thread_id is not None else None
     while frame is not None and frame.f_code.co_filename == __file__:
         frame = frame.f_back
     if frame is None:
         return "an unknown place"
+    where = _describe(frame)
+    caller = frame
+    while caller is not None and _TORCH in caller.f_code.co_filename:
+        caller = caller.f_back
+    return where if caller is None or caller is frame else f"{where}, from {_describe(caller)}"
+
+
+_TORCH = f"{os.sep}torch{os.sep}"
+
+
+def _describe(frame: FrameType) -> str:
     return f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"
