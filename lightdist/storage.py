@@ -13,11 +13,17 @@ Credentials come from the environment or the filesystems' own configuration (``A
 ``GOOGLE_APPLICATION_CREDENTIALS``), never from lightdist's options, so they never land in a saved config or a log.
 Other settings (endpoint, region, profile name, retries) may also come from ``storage_options``, which become
 fsspec's own per-protocol configuration in the process.
+
+Loading runs no code from the checkpoint. DCP's index (``.metadata``) is a pickle, which DCP unpickles as is; here it
+is unpickled by an unpickler that builds DCP's metadata classes, torch's sizes and dtypes and paths, and refuses any
+other global. Shards hold tensor bytes only, and ``meta.pt`` is read with ``torch.load(weights_only=True)``, torch's
+default, unless the caller asks otherwise.
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 import posixpath
 import re
 import uuid
@@ -33,10 +39,11 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME
 
 # Not re-exported by torch.distributed.checkpoint (torch 2.13), but the writer and reader DCP documents for fsspec.
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 __all__ = [
     "MANIFEST_FILENAME",
+    "UnsafeCheckpointError",
     "check_same_model",
     "check_writable",
     "commit",
@@ -243,9 +250,55 @@ def _first_few(items: list[str], shown: int = 6) -> str:
     return ", ".join(items[:shown]) + more
 
 
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint's index names code to run where only DCP's metadata belongs."""
+
+
 def reader(url: str) -> FsspecReader:
-    """DCP's reader for the checkpoint at ``url``."""
-    return FsspecReader(url)
+    """DCP's reader for the checkpoint at ``url``, which unpickles its index safely."""
+    return _SafeReader(url)
+
+
+class _SafeReader(FsspecReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        # DCP's own body, with the unpickler swapped.
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as metadata_file:
+            metadata = _IndexUnpickler(metadata_file, str(self.path)).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+_INDEX_GLOBALS = frozenset(
+    {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("collections", "OrderedDict"),
+        ("pathlib", "Path"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+    }
+)
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Builds what DCP writes in ``.metadata`` (checked against torch 2.11-2.13's) and nothing else."""
+
+    def __init__(self, file: Any, url: str) -> None:
+        super().__init__(file)
+        self.url = url
+
+    def find_class(self, module: str, name: str) -> Any:
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if module == "torch.distributed.checkpoint.metadata" or (module, name) in _INDEX_GLOBALS or is_dtype:
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(
+            f"The checkpoint at {self.url} is not loaded: its DCP index (.metadata) asks to build {module}.{name}, "
+            "which no checkpoint's index holds, and unpickling it could run code. Load checkpoints from sources you "
+            "trust: your own runs' storage."
+        )
 
 
 def read_metadata(url: str, *, weights_only: bool | None = None) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import pickle
 from pathlib import Path
 
 import fsspec
@@ -12,10 +13,11 @@ import torch.distributed.checkpoint as dcp
 from fsspec import AbstractFileSystem
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.utils.data import DataLoader
 
 from lightdist.plugins import ModelCheckpoint, ParallelStrategy
-from lightdist.storage import commit, remove, resolve, write_pointer
+from lightdist.storage import UnsafeCheckpointError, commit, remove, resolve, saved_model_tensors, write_pointer
 
 from multirank import run_ranks
 from training import Case, Result, StopAfter, train
@@ -236,3 +238,26 @@ def save_in_each_training_step(checkpoints: Path) -> None:
         enable_model_summary=False,
     )
     trainer.fit(_SavingInTrainingStep(checkpoints))
+
+
+class RunsCodeWhenUnpickled:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return exec, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+def test_a_checkpoint_whose_index_would_run_code_is_refused(tmp_path: Path) -> None:
+    checkpoint, marker = tmp_path / "step=1.ckpt", tmp_path / "code-ran"
+    dcp.save({"state_dict": {"model.weight": torch.ones(2, 3)}}, checkpoint_id=str(checkpoint), no_dist=True)
+    assert {name: list(entry.size) for name, entry in saved_model_tensors(str(checkpoint)).items()} == {
+        "model.weight": [2, 3]
+    }
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(RunsCodeWhenUnpickled(marker)))
+    with pytest.raises(UnsafeCheckpointError, match=r"asks to build builtins.exec, which no checkpoint's index holds"):
+        saved_model_tensors(str(checkpoint))
+    assert not marker.exists()
+    with pytest.raises(AttributeError):  # DCP's own reader runs it before it finds no metadata in what it built
+        FsspecReader(str(checkpoint)).read_metadata()
+    assert marker.exists()
