@@ -66,7 +66,7 @@ def s3_endpoint() -> Iterator[str]:
     command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
     credentials = {
         "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_SECRET_ACCESS_KEY": f"lightdist-test-secret-{uuid.uuid4().hex}",  # moto takes any; tests look for it
         "AWS_DEFAULT_REGION": "us-east-1",
     }
     with (

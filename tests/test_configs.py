@@ -76,7 +76,9 @@ def fit(name: str, overrides: list[str], workdir: Path, devices: int) -> list[st
     return sorted(posixpath.basename(file) for file in storage.ls(path, detail=False))
 
 
-def test_every_config_trains_on_two_cpu_ranks(tmp_path: Path, s3_bucket: tuple[str, AbstractFileSystem]) -> None:
+def test_every_config_trains_on_two_cpu_ranks(
+    tmp_path: Path, s3_bucket: tuple[str, AbstractFileSystem], capfd: pytest.CaptureFixture
+) -> None:
     _, s3 = s3_bucket
     s3.mkdir("lightdist")  # the bucket configs/s3.yaml names
     calls = [(fit, (name, overrides, tmp_path / name, 2)) for name, overrides in ON_TWO_RANKS.items()]
@@ -84,6 +86,14 @@ def test_every_config_trains_on_two_cpu_ranks(tmp_path: Path, s3_bucket: tuple[s
         (tmp_path / name).mkdir()
     saved, _ = run_ranks(2, run_each, calls)
     assert dict(zip(ON_TWO_RANKS, saved, strict=True)) == {name: checkpoint_files(2) for name in ON_TWO_RANKS}
+    # The S3 secret the ranks had in their environment is nowhere: not in what they printed, not in W&B's offline
+    # runs, the saved configs or the checkpoints, local or in the bucket.
+    secret = os.environ["AWS_SECRET_ACCESS_KEY"].encode()
+    printed = capfd.readouterr()
+    assert secret not in (printed.out + printed.err).encode()
+    written = [path for path in tmp_path.rglob("*") if path.is_file() and secret in path.read_bytes()]
+    uploaded = [key for key in s3.find("lightdist") if secret in s3.cat_file(key)]
+    assert written == uploaded == []
 
 
 def test_the_single_device_config_trains_on_one_cpu_rank(tmp_path: Path) -> None:
