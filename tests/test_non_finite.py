@@ -8,20 +8,15 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from lightdist.models import Llama, TokenDataModule
+from lightdist.models import TokenDataModule
 from lightdist.plugins import ModelCheckpoint, NonFiniteError, ParallelStrategy
 
 from multirank import run_ranks
+from training import LlamaWithOneBadBatch
 
 pytestmark = pytest.mark.multirank
 
 BAD_STEP = 3  # the 4th batch's loss is NaN: checkpoints were saved after steps 2 and 4 would be
-
-
-class LlamaWithOneBadBatch(Llama):
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = super().training_step(batch, batch_idx)
-        return loss * float("nan") if self.trainer.global_step == BAD_STEP else loss
 
 
 class RecordWeights(Callback):
@@ -50,7 +45,7 @@ def train_through_a_bad_batch(policy: str, run: str) -> tuple[list[dict[str, tor
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = LlamaWithOneBadBatch("tiny", learning_rate=1e-3, warmup_steps=2)
+    model = LlamaWithOneBadBatch(BAD_STEP)
     try:
         trainer.fit(model, datamodule=TokenDataModule(seq_len=32, batch_size=4, synthetic_tokens=1 << 16))
     except NonFiniteError as error:

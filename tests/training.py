@@ -105,6 +105,18 @@ MODELS = {
 }
 
 
+class LlamaWithOneBadBatch(Llama):
+    """The tiny Llama, whose loss is NaN at optimizer step ``bad_step``."""
+
+    def __init__(self, bad_step: int) -> None:
+        super().__init__("tiny", learning_rate=1e-3, warmup_steps=2)
+        self.bad_step = bad_step
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.trainer.global_step == self.bad_step else loss
+
+
 @dataclass(frozen=True)
 class Case:
     """One training configuration. ``strategy`` holds ParallelStrategy options; ``None`` is the plain single process."""
