@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
@@ -282,11 +283,10 @@ class ParallelStrategy(ModelParallelStrategy):
         store = restart_attempt_store(self._timeout)
         if store is not None and not dist.is_initialized():
             self.set_world_ranks()
-            dist.init_process_group(
+            _init_dist_connection(
+                self.cluster_environment,
                 self._get_process_group_backend(),
                 store=store,
-                rank=self.global_rank,
-                world_size=self.world_size,
                 timeout=self._timeout,
                 device_id=self.root_device if self.root_device.type != "cpu" else None,
             )
