@@ -55,22 +55,28 @@ def test_the_planner_says_by_how_much_nothing_fits_and_what_to_change() -> None:
         choose_layout(ModelShape(meta_llama("8b")), Cluster(8), seq_len=4096, batch_per_replica=1, tp=3, **BATCH)
 
 
+def planned_on_two_cpu_ranks(model: Llama) -> ParallelLayout:
+    """What ``lightdist_auto`` picks for ``model`` on 2 CPU ranks, every size left to the planner."""
+    layout, _ = planned_layout(
+        model,
+        world_size=2,
+        devices_per_node=2,
+        device=torch.device("cpu"),
+        pp=None,
+        dp=None,
+        tp=None,
+        zero_stage=3,
+        activation_checkpointing=None,
+        microbatches=None,
+        stages_per_rank=1,
+        tp_plan=None,
+    )
+    return layout
+
+
 def test_a_model_without_batch_dimensions_is_told_what_to_declare() -> None:
     with pytest.raises(ValueError, match=r"neither Llama nor its data module has a `seq_len` attribute"):
-        planned_layout(
-            meta_llama("tiny"),
-            world_size=2,
-            devices_per_node=2,
-            device=torch.device("cpu"),
-            pp=None,
-            dp=None,
-            tp=None,
-            zero_stage=3,
-            activation_checkpointing=None,
-            microbatches=None,
-            stages_per_rank=1,
-            tp_plan=None,
-        )
+        planned_on_two_cpu_ranks(meta_llama("tiny"))
 
 
 class LlamaBuiltLate(Llama):
@@ -90,20 +96,7 @@ def test_a_model_built_in_configure_model_is_built_on_the_meta_device_to_be_plan
     trainer = Trainer(accelerator="cpu", devices=2, strategy="lightdist_auto", logger=False)
     model = LlamaBuiltLate(seq_len=32, batch_size=4)
     model.trainer, trainer.strategy._lightning_module = trainer, model
-    layout, _ = planned_layout(
-        model,
-        world_size=2,
-        devices_per_node=2,
-        device=torch.device("cpu"),
-        pp=None,
-        dp=None,
-        tp=None,
-        zero_stage=3,
-        activation_checkpointing=None,
-        microbatches=None,
-        stages_per_rank=1,
-        tp_plan=None,
-    )
+    layout = planned_on_two_cpu_ranks(model)
     assert layout.world_size == 2
     assert {p.device.type for p in model.parameters()} == {"meta"}  # nothing allocated
 
