@@ -3,6 +3,11 @@
 Lightning's checkpoint is rank 0's alone and holds no random state. Dropout masks differ between ranks (pipeline
 stages draw different numbers altogether), and a data loader over one data-parallel rank's shard may keep a state of
 its own, so rank 0 gathers every rank's into the checkpoint and each rank takes back its own on resume.
+
+A run resumed on another number of data-parallel ranks (an elastic restart on the nodes left) has no saved state of
+its own. Where the loaders deal samples to the ranks in turn, as torch's ``DistributedSampler`` does, ``d`` ranks that
+have each drawn ``n`` samples have drawn the epoch's first ``d * n`` between them, whatever ``d``: the new ranks start
+after as many, and the epoch goes on where it stood.
 """
 
 from __future__ import annotations
@@ -12,23 +17,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils.data import DistributedSampler
 
 from lightdist.rng import rng_state
 
-__all__ = ["gather_rank_states", "take_rank_state"]
+__all__ = ["deal_samples_in_turn", "gather_rank_states", "take_rank_state"]
 
 _KEY = "lightdist_ranks"
 _LOADERS = "combined_loader"  # the fit loop's data loader states, in Lightning's checkpoint
 
 
-def gather_rank_states(checkpoint: dict[str, Any], device: torch.device, data_parallel: tuple[int, int]) -> None:
+def deal_samples_in_turn(train_dataloader: Any) -> bool:
+    """Whether every training loader (Lightning's ``CombinedLoader`` holds them) deals samples to the data-parallel
+    ranks in turn, so that one rank's position says how far the whole epoch has gone."""
+    loaders = getattr(train_dataloader, "flattened", [train_dataloader]) if train_dataloader is not None else []
+    return bool(loaders) and all(isinstance(getattr(loader, "sampler", None), DistributedSampler) for loader in loaders)
+
+
+def gather_rank_states(
+    checkpoint: dict[str, Any], device: torch.device, data_parallel: tuple[int, int], in_turn: bool
+) -> None:
     """Add every rank's random state and data loader position to rank 0's ``checkpoint``; every rank calls it.
 
     ``data_parallel``: this rank's (index, size) among the data-parallel ranks, which is what its loader's shard
-    depends on.
+    depends on. ``in_turn``: whether its loaders deal samples to the ranks in turn (``deal_samples_in_turn``).
     """
     loaders = _fit_loop(checkpoint).get("state_dict", {}).get(_LOADERS)
-    own = {"rng": rng_state(device), "data_parallel": data_parallel, "loaders": loaders}
+    own = {"rng": rng_state(device), "data_parallel": data_parallel, "loaders": loaders, "in_turn": in_turn}
     every_rank = [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
     dist.gather_object(own, every_rank, dst=0)
     checkpoint[_KEY] = every_rank
@@ -51,16 +66,17 @@ def take_rank_state(
     if every_rank is None:  # saved by another strategy
         return None
     if _LOADERS in loop_state:
-        same_shard = [saved["loaders"] for saved in every_rank if saved["data_parallel"] == data_parallel]
-        if same_shard:
-            loop_state[_LOADERS] = same_shard[0]
+        position = _position_here(every_rank, data_parallel)
+        if position is not None:
+            loop_state[_LOADERS] = position
         else:
             del loop_state[_LOADERS]
             rank_zero_warn(
                 f"lightdist: the checkpoint was saved mid-epoch by {every_rank[0]['data_parallel'][1]} data-parallel"
-                f" ranks and resumes on {data_parallel[1]}: a data loader's position is within its rank's shard of the"
-                " data, so the interrupted epoch starts again from its first batch. Resume at an epoch boundary, or"
-                " on as many data-parallel ranks, to see each sample once."
+                f" ranks and resumes on {data_parallel[1]}, and its loaders' positions do not carry over: they did not"
+                " deal samples to the ranks in turn (torch's DistributedSampler does), or their samples drawn do not"
+                " split evenly over the new ranks. The interrupted epoch starts again from its first batch. Resume at"
+                " an epoch boundary, or on as many data-parallel ranks, to see each sample once."
             )
     if len(every_rank) != world_size:
         rank_zero_info(
@@ -69,6 +85,37 @@ def take_rank_state(
         )
         return None
     return every_rank[rank]["rng"]
+
+
+def _position_here(every_rank: list[dict[str, Any]], data_parallel: tuple[int, int]) -> Any:
+    """This rank's loader states: those its shard saved, or those of another number of ranks dealt samples in turn
+    and moved to as many samples drawn in all; ``None`` where neither applies."""
+    same_shard = [saved["loaders"] for saved in every_rank if saved["data_parallel"] == data_parallel]
+    if same_shard:
+        return same_shard[0]
+    saved = every_rank[0]
+    if not saved.get("in_turn"):
+        return None
+    try:
+        return _samples_drawn_over(saved["loaders"], saved["data_parallel"][1], data_parallel[1])
+    except ValueError:
+        return None
+
+
+def _samples_drawn_over(state: Any, saved_ranks: int, ranks: int) -> Any:
+    """``state`` with every sampler's ``samples_yielded`` (torchdata's ``StatefulDataLoader`` counts them) moved from
+    ``saved_ranks`` ranks to ``ranks``. Batch counts stay: Lightning's step count, which they follow, stays too."""
+    if isinstance(state, dict):
+        moved = {key: _samples_drawn_over(value, saved_ranks, ranks) for key, value in state.items()}
+        if isinstance(state.get("samples_yielded"), int):
+            drawn = state["samples_yielded"] * saved_ranks
+            if drawn % ranks:
+                raise ValueError(f"{drawn} samples drawn do not split over {ranks} ranks")
+            moved["samples_yielded"] = drawn // ranks
+        return moved
+    if isinstance(state, list):
+        return [_samples_drawn_over(value, saved_ranks, ranks) for value in state]
+    return state
 
 
 def _fit_loop(checkpoint: dict[str, Any]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -63,8 +64,8 @@ from lightdist.plugins.auto_layout import planned_layout
 from lightdist.plugins.metric_sync import reduce_metrics_over
 from lightdist.plugins.non_finite import NonFiniteError, NonFinitePolicy, NonFiniteStep, check_finite
 from lightdist.plugins.pipeline import PipelineStep, TiedGradients
-from lightdist.plugins.rank_state import gather_rank_states, take_rank_state
-from lightdist.restarts import restart_attempt_store
+from lightdist.plugins.rank_state import deal_samples_in_turn, gather_rank_states, take_rank_state
+from lightdist.restarts import nodes_started_by_torchrun, round_store
 from lightdist.rng import set_rng_state
 from lightdist.sharding import ShardedOptimizer, ZeroStage, apply_data_parallel
 from lightdist.storage import (
@@ -269,6 +270,8 @@ class ParallelStrategy(ModelParallelStrategy):
         # The Trainer calls this once it knows devices and nodes: the earliest point where the layout can be
         # checked against the world size, long before any process starts or any memory is allocated. The planner
         # needs the model, which the Trainer does not have yet.
+        if isinstance(self.cluster_environment, TorchElasticEnvironment):
+            self.num_nodes = nodes_started_by_torchrun(self.num_nodes)
         if not self._planner_picks_sizes:
             self._layout = self._resolve_layout(self.num_nodes * self.num_processes)
         if self._cpu_offload and self.root_device.type == "cpu":
@@ -280,9 +283,9 @@ class ParallelStrategy(ModelParallelStrategy):
 
     @override
     def _setup_distributed(self) -> None:
-        store = restart_attempt_store(self._timeout)
-        if store is not None and not dist.is_initialized():
-            self.set_world_ranks()
+        self.set_world_ranks()
+        store = round_store(self.global_rank, self._timeout) if not dist.is_initialized() else None
+        if store is not None:
             _init_dist_connection(
                 self.cluster_environment,
                 self._get_process_group_backend(),
@@ -565,7 +568,8 @@ class ParallelStrategy(ModelParallelStrategy):
             self._save_checkpoint(checkpoint, filepath, storage_options)
 
     def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None) -> None:
-        gather_rank_states(checkpoint, self.root_device, data_parallel=self._data_parallel)
+        in_turn = deal_samples_in_turn(self.lightning_module.trainer.train_dataloader)
+        gather_rank_states(checkpoint, self.root_device, data_parallel=self._data_parallel, in_turn=in_turn)
         if not self._save_distributed_checkpoint:
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return

@@ -1,14 +1,20 @@
 """Chaos under ``torchrun --max-restarts``: a rank SIGKILLed at a random step, the S3 storage gone for three steps'
-saves, a NaN loss. The job restarts by itself, resumes from the newest complete checkpoint, and ends where an
-uninterrupted run ends, loss for loss and weight for weight; the outage costs only the saves that fell in it."""
+saves, a NaN loss, a whole node lost from an elastic job. The job restarts by itself, resumes from the newest complete
+checkpoint, and ends where an uninterrupted run ends, loss for loss and weight for weight; the outage costs only the
+saves that fell in it."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,30 +34,69 @@ SEED = int(os.environ.get("LIGHTDIST_CHAOS_SEED", random.SystemRandom().randrang
 NAN_AT, OUTAGE = 4, (3, 5)
 
 
-def torchrun(run: Path, *job_args: str) -> subprocess.CompletedProcess:
-    run.mkdir()
+def torchrun(run: Path, *job_args: str, nnodes: str = "1", endpoint: str | None = None, **env: str) -> subprocess.Popen:
+    """One node's torchrun agent, running the job with 2 ranks and one restart allowed."""
+    run.mkdir(exist_ok=True)
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nnodes=1",
+        f"--nnodes={nnodes}",
         "--nproc-per-node=2",
         "--max-restarts=1",
         "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        f"--rdzv-endpoint={endpoint or f'127.0.0.1:{free_port()}'}",
+        # A lost node is given up after 3 missed 1 s heartbeats; a round waits 2 s for more nodes once it has 1.
+        "--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2",
         str(JOB),
         str(run),
         *job_args,
     ]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ | env)
+
+
+def finished(agent: subprocess.Popen) -> tuple[int, str]:
+    _, stderr = agent.communicate(timeout=300)
+    return agent.returncode, stderr
 
 
 def records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "losses.jsonl").read_text().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The job without faults, on 2 ranks; its NaN step skipped like the others'."""
+    run = tmp_path_factory.mktemp("uninterrupted")
+    returncode, stderr = finished(torchrun(run, str(run / "checkpoints"), "--nan-at", str(NAN_AT)))
+    assert returncode == 0, stderr[-3000:]
+    return run
+
+
+def assert_same_run(uninterrupted: Path, resumed: Path, chaos: str, atol: float = 1e-7) -> None:
+    """Every loss (the last computed of each step) and the final weights of the uninterrupted run; ``atol`` for weights
+    near zero, which a run that changed layout reached summing in another order."""
+    expected = {record["step"]: record["loss"] for record in records(uninterrupted)}
+    losses = {record["step"]: record["loss"] for record in records(resumed)}
+    assert [losses[step] for step in range(1, 9)] == pytest.approx(
+        [expected[step] for step in range(1, 9)], rel=1e-5, nan_ok=True
+    ), chaos
+    final, final_after_chaos = (torch.load(run / "final.pt") for run in (uninterrupted, resumed))
+    for name, weight in final.items():
+        torch.testing.assert_close(final_after_chaos[name], weight, rtol=1e-5, atol=atol, msg=lambda m: f"{chaos}: {m}")
+
+
+def attempts(run: Path) -> tuple[list[int], list[int]]:
+    steps = [(record["attempt"], record["step"]) for record in records(run)]
+    return [step for attempt, step in steps if attempt == 0], [step for attempt, step in steps if attempt == 1]
+
+
 def test_a_job_survives_a_killed_rank_a_storage_outage_and_a_nan_loss(
-    tmp_path: Path, s3_endpoint: str, s3_bucket: tuple[str, AbstractFileSystem], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    uninterrupted: Path,
+    s3_endpoint: str,
+    s3_bucket: tuple[str, AbstractFileSystem],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     kill_at = random.Random(SEED).randint(2, 7)
     chaos = f"LIGHTDIST_CHAOS_SEED={SEED}: rank 1 killed after step {kill_at}"
@@ -60,28 +105,54 @@ def test_a_job_survives_a_killed_rank_a_storage_outage_and_a_nan_loss(
     with FaultyStorage(s3_endpoint, lambda method, path, attempt: "reset" if storage_down.exists() else None) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy)
         monkeypatch.setenv("FSSPEC_S3_ENDPOINT_URL", proxy)
-        whole = torchrun(tmp_path / "whole", f"{url}/whole", "--nan-at", str(NAN_AT))
-        assert whole.returncode == 0, whole.stderr[-3000:]
         faults = ["--kill-at", str(kill_at), "--storage-down", str(storage_down), "--down-steps", *map(str, OUTAGE)]
-        killed = torchrun(tmp_path / "killed", f"{url}/killed", "--nan-at", str(NAN_AT), *faults)
-    assert killed.returncode == 0, f"{chaos}\n{killed.stderr[-3000:]}"
-    assert "Connection refused" not in killed.stderr, chaos
+        returncode, stderr = finished(torchrun(tmp_path, f"{url}/run", "--nan-at", str(NAN_AT), *faults))
+    assert returncode == 0, f"{chaos}\n{stderr[-3000:]}"
+    assert "Connection refused" not in stderr, chaos
 
     # The first attempt trained to the kill; the second resumed from the newest complete checkpoint and finished.
     # The saves in the outage failed, and the kill may have cut short the one upload in flight, the previous step's;
     # with no checkpoint at all the second attempt starts from scratch (step 0).
-    steps = [(record["attempt"], record["step"]) for record in records(tmp_path / "killed")]
-    first, second = [step for attempt, step in steps if attempt == 0], [step for attempt, step in steps if attempt == 1]
+    first, second = attempts(tmp_path)
     assert first[-1] == kill_at and second[-1] == 8, chaos
     saved = [0, *(step for step in range(1, kill_at) if not OUTAGE[0] <= step <= OUTAGE[1])]
     assert second[0] - 1 in saved[-2:], chaos
+    assert_same_run(uninterrupted, tmp_path, chaos)
 
-    # The same run as without the faults: the NaN step skipped in both, every other loss and the final weights equal.
-    uninterrupted = {record["step"]: record["loss"] for record in records(tmp_path / "whole")}
-    resumed = {record["step"]: record["loss"] for record in records(tmp_path / "killed")}  # the last of each step
-    assert [resumed[step] for step in range(1, 9)] == pytest.approx(
-        [uninterrupted[step] for step in range(1, 9)], rel=1e-5, nan_ok=True
-    ), chaos
-    final, final_after_chaos = (torch.load(tmp_path / run / "final.pt") for run in ("whole", "killed"))
-    for name, weight in final.items():
-        torch.testing.assert_close(final_after_chaos[name], weight, rtol=1e-5, atol=1e-7, msg=lambda m: f"{chaos}: {m}")
+
+def test_an_elastic_job_grows_onto_a_node_that_joins_and_carries_on_when_it_is_lost(
+    tmp_path: Path, uninterrupted: Path, s3_bucket: tuple[str, AbstractFileSystem]
+) -> None:
+    """torchrun agents on ``--nnodes=1:2``, 2 ranks each (tensor-parallel pairs), one global batch of 4 windows. The
+    job starts on one node (1 data-parallel rank), which waits after step 2 for a second node; when it joins, the
+    agents restart the job on both (2 data-parallel ranks). The second node is lost after step 5, its agent and ranks
+    SIGKILLed, and the first restarts the job on itself. Each round resumes from the newest complete checkpoint where
+    the data stood, and the job ends with the losses and weights of an uninterrupted run."""
+    url, _ = s3_bucket
+    job = (tmp_path, f"{url}/run", "--nan-at", str(NAN_AT), "--nodes=2", "--wait-for-nodes-after=2")
+    # torch 2.13's agents cannot share their store with a node that joins a running job (the README says why).
+    elastic = {"nnodes": "1:2", "endpoint": f"127.0.0.1:{free_port()}", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    first_node = torchrun(*job, **elastic)
+    wait_for(lambda: any(record["step"] == 2 for record in records(tmp_path)), first_node)
+    second_node = torchrun(*job, **elastic, LOSE_THIS_NODE_AFTER_STEP="5")
+    returncode, stderr = finished(first_node)
+    assert returncode == 0, stderr[-3000:]
+    assert finished(second_node)[0] == -signal.SIGKILL
+
+    rounds = [list(steps) for _, steps in itertools.groupby(records(tmp_path), key=lambda record: record["world_size"])]
+    assert [steps[0]["world_size"] for steps in rounds] == [2, 4, 2]
+    assert [steps[-1]["step"] for steps in rounds] == [2, 5, 8]
+    assert rounds[1][0]["step"] == 3  # the agent restarted the waiting ranks long after step 2's upload ended
+    assert rounds[2][0]["step"] - 1 in (4, 5)  # the loss may have cut short step 5's upload
+    # The equivalence tests' tolerance, as for any resume in another layout (tests/test_resume.py).
+    assert_same_run(uninterrupted, tmp_path, "a node joined after step 2, lost after step 5", atol=1e-5)
+
+
+def wait_for(condition: Callable[[], bool], agent: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and agent.poll() is None:
+        with contextlib.suppress(FileNotFoundError):
+            if condition():
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"torchrun's job never got there: {agent.communicate()[1][-3000:]}")

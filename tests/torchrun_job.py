@@ -4,10 +4,17 @@ Rank 0 appends each step's loss and the attempt that computed it to ``RUN_DIR/lo
 go to ``RUN_DIR/final.pt``. Every attempt resumes from ``last``, the newest complete checkpoint at ``CHECKPOINTS`` (any
 fsspec URL), if there is one. The faults, each on the first attempt only:
 
-- ``--kill-at N``: rank 1 SIGKILLs itself after optimizer step N, as a lost node would end it;
+- ``--kill-at N``: rank 1 SIGKILLs itself after optimizer step N, as the kernel ends a process out of memory;
 - ``--storage-down FILE --down-steps A B``: rank 0 creates FILE as step A starts and removes it as step B starts; the
   test's storage proxy answers nothing while it exists;
-- ``--nan-at N``: the loss of step N is NaN (on every attempt: it is the data's fault), and ``non_finite="skip"``.
+- ``--nan-at N``: the loss of step N is NaN (on every attempt: it is the data's fault), and ``non_finite="skip"``;
+- ``--wait-for-nodes-after N``: on one node, the ranks wait after step N until their agent restarts them on more
+  nodes (torchrun restarts a job when a node joins), or fail after two minutes;
+- ``LOSE_THIS_NODE_AFTER_STEP=N`` in one agent's environment: after optimizer step N, the ranks of that agent SIGKILL
+  it and themselves, as a lost machine would end them.
+
+The ranks share a global batch of ``--global-batch`` windows, split among the data-parallel ranks of each attempt: a
+job restarted on fewer nodes trains on the same batches.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import argparse
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +36,8 @@ from lightdist.plugins import ModelCheckpoint, ParallelStrategy
 from training import LlamaWithOneBadBatch
 
 ATTEMPT = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+WORLD_SIZE = int(os.environ["WORLD_SIZE"])
+TENSOR_PARALLEL = 2  # DeviceMesh's groups are made again on each attempt
 
 
 class Chaos(Callback):
@@ -47,8 +57,21 @@ class Chaos(Callback):
         loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item()
         if trainer.is_global_zero:
             with (self.options.run / "losses.jsonl").open("a") as record:
-                record.write(json.dumps({"step": trainer.global_step, "loss": loss, "attempt": ATTEMPT}) + "\n")
-        if trainer.global_step == self.options.kill_at and trainer.global_rank == 1 and ATTEMPT == 0:
+                step = {"step": trainer.global_step, "loss": loss, "attempt": ATTEMPT, "world_size": WORLD_SIZE}
+                record.write(json.dumps(step) + "\n")
+        if ATTEMPT > 0:
+            return
+        if trainer.global_step == self.options.wait_for_nodes_after and WORLD_SIZE == TENSOR_PARALLEL:
+            waiting_since = time.monotonic()
+            while not trainer.received_sigterm:  # the agent stops its ranks with SIGTERM to restart them
+                if time.monotonic() - waiting_since > 120:
+                    raise TimeoutError("no node joined in two minutes")
+                time.sleep(0.1)
+        if trainer.global_step == self.options.kill_at and trainer.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if str(trainer.global_step) == os.environ.get("LOSE_THIS_NODE_AFTER_STEP"):
+            if trainer.local_rank == 0:
+                os.kill(os.getppid(), signal.SIGKILL)  # the node's torchrun agent
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -60,10 +83,10 @@ def main(options: argparse.Namespace) -> None:
     retries = {"s3": {"config_kwargs": {"retries": {"total_max_attempts": 2}}}}
     trainer = Trainer(
         accelerator="cpu",
-        devices=2,
-        # tp=2: DeviceMesh's groups are made again on each attempt
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        num_nodes=options.nodes,  # what the user expects; torchrun's agents decide
         strategy=ParallelStrategy(
-            tensor_parallel_size=2, non_finite="skip", storage_options=retries, async_checkpoint="thread"
+            tensor_parallel_size=TENSOR_PARALLEL, non_finite="skip", storage_options=retries, async_checkpoint="thread"
         ),
         max_steps=8,
         precision="32-true",
@@ -73,7 +96,9 @@ def main(options: argparse.Namespace) -> None:
         enable_model_summary=False,
     )
     model = LlamaWithOneBadBatch(options.nan_at)
-    trainer.fit(model, datamodule=TokenDataModule(seq_len=32, batch_size=4, synthetic_tokens=1 << 16), ckpt_path="last")
+    batch_size = options.global_batch * TENSOR_PARALLEL // WORLD_SIZE
+    data = TokenDataModule(seq_len=32, batch_size=batch_size, synthetic_tokens=1 << 16)
+    trainer.fit(model, datamodule=data, ckpt_path="last")
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.is_global_zero:
         torch.save(state, options.run / "final.pt")
@@ -83,7 +108,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("run", type=Path)
     parser.add_argument("checkpoints")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--global-batch", type=int, default=4)
     parser.add_argument("--kill-at", type=int)
+    parser.add_argument("--wait-for-nodes-after", type=int)
     parser.add_argument("--nan-at", type=int, default=-1)
     parser.add_argument("--storage-down", type=Path)
     parser.add_argument("--down-steps", type=int, nargs=2)
