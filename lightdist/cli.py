@@ -4,7 +4,7 @@
 ``--trainer.strategy.init_args.zero_stage=2``, and a registered name works as ``--trainer.strategy=lightdist_zero2``.
 ``lightdist plan --config ...`` shows what tensor parallelism will do to the model, without allocating it.
 ``lightdist export CKPT OUT`` turns a sharded checkpoint into weights for the plain model (safetensors, torch, or a
-Hugging Face model).
+Hugging Face model). ``lightdist fit --config ... --launcher ray --num-workers N`` trains on Ray Train's workers.
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ def main(args: ArgsType = None) -> None:
         return
     if argv[:1] == ["export"]:
         export.main(argv[1:])
+        return
+    if any(arg == "--launcher" or arg.startswith("--launcher=") for arg in argv):
+        from lightdist import ray  # Ray's import is heavy, and Ray is an extra
+
+        ray.main(argv)
         return
     LightningCLI(save_config_kwargs={"overwrite": True}, args=args)
 

@@ -32,8 +32,9 @@ class ParallelLayout:
         data_parallel_size: int | Literal["auto"],
         tensor_parallel_size: int,
         pipeline_parallel_size: int,
+        world_from: str = "devices x num_nodes",
     ) -> ParallelLayout:
-        """Fill in ``"auto"`` and check that the degrees multiply to ``world_size``.
+        """Fill in ``"auto"`` and check that the degrees multiply to ``world_size``, which ``world_from`` sets.
 
         Called before any process group or parameter exists, so a wrong layout costs nothing.
         """
@@ -43,7 +44,7 @@ class ParallelLayout:
                 raise ValueError(
                     f"world size {world_size} is not divisible by tensor_parallel_size={tensor_parallel_size} x "
                     f"pipeline_parallel_size={pipeline_parallel_size} = {model_parallel}, so data_parallel_size='auto'"
-                    " has no whole value. Change devices/num_nodes or the tensor/pipeline sizes."
+                    f" has no whole value. Change {world_from} or the tensor/pipeline sizes."
                 )
             data_parallel_size = world_size // model_parallel
         layout = cls(pp=pipeline_parallel_size, dp=data_parallel_size, tp=tensor_parallel_size)
@@ -51,7 +52,7 @@ class ParallelLayout:
             raise ValueError(
                 f"pipeline_parallel_size={layout.pp} x data_parallel_size={layout.dp} x "
                 f"tensor_parallel_size={layout.tp} = {layout.world_size}, but the world size is {world_size} "
-                "(devices x num_nodes). Make the product equal the world size, or set data_parallel_size='auto'."
+                f"({world_from}). Make the product equal the world size, or set data_parallel_size='auto'."
             )
         return layout
 

@@ -265,6 +265,29 @@ class ParallelStrategy(ModelParallelStrategy):
         dp_mesh = self.device_mesh["dp"]
         return dp_mesh.get_local_rank(), dp_mesh.size()
 
+    def check_world_size(self, world_size: int, launcher: str) -> None:
+        """Raise what this strategy's sizes would raise on ``world_size`` ranks, before a ``launcher`` starts any."""
+        if not self._planner_picks_sizes:
+            self._resolve_layout(world_size, world_from=launcher)
+
+    @property
+    def _world_size_to_come(self) -> int:
+        """The ranks the job will have: the launcher's count (torchrun's, SLURM's, Ray's), where it started them;
+        else ``num_nodes x devices``, as Lightning's launcher starts them."""
+        environment = self.cluster_environment
+        if environment is not None and environment.creates_processes_externally:
+            return environment.world_size()
+        return self.num_nodes * self.num_processes
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        # A launcher that gives each process one device of its own (Ray, with `devices="auto"`) leaves Lightning one
+        # device per process, whatever the process's local rank.
+        if len(self.parallel_devices) == 1:
+            return self.parallel_devices[0]
+        return super().root_device
+
     @override
     def _configure_launcher(self) -> None:
         # The Trainer calls this once it knows devices and nodes: the earliest point where the layout can be
@@ -273,7 +296,7 @@ class ParallelStrategy(ModelParallelStrategy):
         if isinstance(self.cluster_environment, TorchElasticEnvironment):
             self.num_nodes = nodes_started_by_torchrun(self.num_nodes)
         if not self._planner_picks_sizes:
-            self._layout = self._resolve_layout(self.num_nodes * self.num_processes)
+            self._layout = self._resolve_layout(self._world_size_to_come)
         if self._cpu_offload and self.root_device.type == "cpu":
             raise ValueError(
                 "cpu_offload=True moves sharded state from accelerator memory to CPU memory, but the accelerator is "
@@ -737,12 +760,13 @@ class ParallelStrategy(ModelParallelStrategy):
         # One node's devices: tensor parallelism needs the fastest links.
         return self.num_processes if self._tensor_parallel_size == "node" else self._tensor_parallel_size
 
-    def _resolve_layout(self, world_size: int) -> ParallelLayout:
+    def _resolve_layout(self, world_size: int, world_from: str = "devices x num_nodes") -> ParallelLayout:
         return ParallelLayout.resolve(
             world_size,
             data_parallel_size=self._data_parallel_size,
             tensor_parallel_size=self._node_tensor_parallel_size,
             pipeline_parallel_size=self._pipeline_parallel_size,
+            world_from=world_from,
         )
 
     def _plan_layout(self) -> ParallelLayout:

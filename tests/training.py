@@ -233,8 +233,10 @@ def train(
     *,
     resume_from: str | None = None,
     save_to: str | None = None,
+    plugins: list[Any] = (),
 ) -> Result:
-    """Train ``case``, optionally resuming from a checkpoint first and saving one at the end."""
+    """Train ``case``, optionally resuming from a checkpoint first and saving one at the end; ``plugins`` go to the
+    Trainer (a launcher's cluster environment)."""
     seed_everything(1234, workers=True)
     model = MODELS[case.model](learning_rate=1e-3, warmup_steps=2)
     data = TokenDataModule(
@@ -249,6 +251,7 @@ def train(
         accelerator="cpu",
         devices=devices,
         strategy=ParallelStrategy(**case.strategy) if case.strategy is not None else "auto",
+        plugins=list(plugins),
         max_steps=case.steps,
         limit_train_batches=case.limit_train_batches,
         accumulate_grad_batches=case.accumulate_grad_batches,

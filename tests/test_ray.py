@@ -1,0 +1,186 @@
+"""lightdist on Ray Train: ParallelStrategy inside ``TorchTrainer`` on a local Ray cluster the tests start.
+
+A worker runs ``train`` (tests/training.py) with Ray's ``RayLightningEnvironment``, the way a user's train function
+builds ``Trainer(strategy=ParallelStrategy(...), plugins=[RayLightningEnvironment()])``; rank 0 saves its result for
+the test to compare with a single process. ``lightdist fit --launcher ray`` runs a config the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fsspec import AbstractFileSystem
+from lightning.pytorch import Callback
+
+from lightdist.cli import main
+
+from multirank import free_port
+from training import Case, keep_two_newest, train
+
+ray = pytest.importorskip("ray", reason="the Ray tests need lightdist[ray]")
+from ray.train import FailureConfig, ScalingConfig, UserCallback  # noqa: E402
+from ray.train.lightning import RayLightningEnvironment  # noqa: E402
+from ray.train.torch import TorchTrainer  # noqa: E402
+
+import lightdist.ray  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+TESTS = Path(__file__).parent
+CONFIGS = TESTS.parent / "configs"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster() -> Any:
+    """A local cluster of 4 logical CPUs (one per worker) on this machine's 2 cores; workers import the tests'
+    helpers from tests/."""
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(TESTS)}})
+    yield
+    ray.shutdown()
+
+
+def train_on_worker(config: dict[str, Any]) -> None:
+    """The user's train function: ``train`` with Ray's environment; rank 0 saves what it trained."""
+    os.environ.update(config.get("env", {}))
+    case = config["case"]
+    callbacks = config.get("callbacks", [])
+    result = train(
+        case, callbacks=callbacks, resume_from=config.get("resume_from"), plugins=[RayLightningEnvironment()]
+    )
+    if ray.train.get_context().get_world_rank() == 0:
+        torch.save(result, config["result"])
+
+
+def fit_on_ray(workers: int, config: dict[str, Any], max_failures: int = 0) -> Any:
+    result = TorchTrainer(
+        train_on_worker,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=workers),
+        run_config=ray.train.RunConfig(failure_config=FailureConfig(max_failures=max_failures)),
+    ).fit()
+    assert result.error is None, result.error
+    return torch.load(config["result"], weights_only=False)
+
+
+@pytest.mark.parametrize(
+    ("workers", "strategy"),
+    [(2, {"zero_stage": 3}), (4, {"tensor_parallel_size": 2, "zero_stage": 3})],
+    ids=["dp2-zero3", "tp2-dp2"],
+)
+def test_torch_trainer_workers_train_as_one_process_does(workers: int, strategy: dict, tmp_path: Path) -> None:
+    case = Case(strategy=strategy, steps=4)
+    on_ray = fit_on_ray(workers, {"case": case, "result": str(tmp_path / "result.pt")})
+    one_process = train(case.reference(workers))
+    torch.testing.assert_close(on_ray.losses, one_process.losses, rtol=1e-5, atol=0)
+    for name, weight in one_process.params.items():
+        torch.testing.assert_close(on_ray.params[name], weight, rtol=1e-5, atol=1e-5, msg=name)
+
+
+class KillOnce(Callback):
+    """Rank 1 SIGKILLs itself after step ``step``, once: ``marker`` records the kill's time for the next attempt."""
+
+    def __init__(self, step: int, marker: Path) -> None:
+        self.step, self.marker = step, marker
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == 1 and not self.marker.exists():
+            self.marker.write_text(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RecordRestart(Callback):
+    """Rank 0 of the restarted group writes when its first step after the kill ended: recovery, as a user sees it."""
+
+    def __init__(self, marker: Path, recovered: Path) -> None:
+        self.marker, self.recovered = marker, recovered
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == 0 and self.marker.exists() and not self.recovered.exists():
+            self.recovered.write_text(str(time.time()))
+
+
+def test_a_killed_worker_is_restarted_by_ray_and_resumes_from_s3_where_the_run_stood(
+    tmp_path: Path, s3_endpoint: str, s3_bucket: tuple[str, AbstractFileSystem]
+) -> None:
+    """2 workers, ZeRO-3, a checkpoint to moto's S3 after every step; worker 1 SIGKILLed after step 4 of 8 under
+    ``FailureConfig(max_failures=1)``. Ray starts the group again; it resumes from the newest complete checkpoint and
+    ends with the uninterrupted run's losses and weights."""
+    url, _ = s3_bucket
+    case = Case(strategy={"zero_stage": 3, "async_checkpoint": "thread"}, steps=8)
+    killed, recovered = tmp_path / "killed", tmp_path / "recovered"
+    config = {
+        "case": case,
+        "result": str(tmp_path / "result.pt"),
+        # The S3 server's endpoint and credentials: the workers started before this test set them.
+        "env": {name: value for name, value in os.environ.items() if name.startswith(("AWS_", "FSSPEC_S3_"))},
+        "callbacks": [keep_two_newest(f"{url}/run"), KillOnce(4, killed), RecordRestart(killed, recovered)],
+        "resume_from": "last",
+    }
+    resumed = fit_on_ray(2, config, max_failures=1)
+    assert killed.exists(), "the worker was not killed"
+    recovery_s = float(recovered.read_text()) - float(killed.read_text())
+    print(f"recovered from the killed worker in {recovery_s:.1f} s")  # the README's figure, with -s
+
+    one_process = train(case.reference(2))
+    # Lightning runs checkpoint callbacks last: the kill after step 4 comes before step 4's save, and may cut short
+    # step 3's upload. The restart resumes after step 3, or after step 2.
+    assert len(resumed.losses) in (5, 6)
+    torch.testing.assert_close(resumed.losses, one_process.losses[-len(resumed.losses) :], rtol=1e-5, atol=0)
+    for name, weight in one_process.params.items():
+        torch.testing.assert_close(resumed.params[name], weight, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_lightdist_fit_runs_a_config_on_ray_and_reports_its_metrics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CLI's launcher: the config's relative paths are the launch directory's, the checkpoints land there, and
+    Ray's result holds the metrics Lightning logged."""
+    monkeypatch.chdir(tmp_path)
+    overrides = ["--trainer.max_steps=4", "--trainer.val_check_interval=4", "--trainer.limit_val_batches=1"]
+    overrides += [
+        "--trainer.log_every_n_steps=2",
+        "--trainer.logger=false",
+        "--trainer.callbacks.init_args.every_n_train_steps=4",
+    ]
+    reported = tmp_path / "reported.jsonl"
+    config = ["--config", str(CONFIGS / "zero3_cpu.yaml"), *overrides]
+    result = lightdist.ray.fit(config, num_workers=2, ray_callbacks=[MetricsTo(reported)])
+    assert result.error is None, result.error
+    metrics = [json.loads(line) for line in reported.read_text().splitlines()]
+    assert [report["step"] for report in metrics] == [2, 4, 4]  # every log_every_n_steps, and at the end
+    assert metrics[-1]["val_loss"] > 0 and metrics[-1]["train_loss"] > 0
+    assert (tmp_path / "runs/zero3_cpu/checkpoints/last.ckpt").exists()
+
+
+class MetricsTo(UserCallback):
+    """Appends what rank 0 reports to Ray to ``path``; Ray runs it in its controller process."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
+        with self.path.open("a") as lines:
+            lines.write(json.dumps(metrics[0]) + "\n")
+
+
+def test_bad_input_is_refused_before_any_worker_starts(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    config = ["fit", "--config", str(CONFIGS / "tp2_zero3_cpu.yaml")]
+    with pytest.raises(
+        ValueError, match=r"world size 3 is not divisible by tensor_parallel_size=2.*Ray's --num-workers"
+    ):
+        main([*config, "--launcher", "ray", "--num-workers", "3"])
+    nobody = f"127.0.0.1:{free_port()}"
+    with pytest.raises(ConnectionError, match=re.escape(f"No Ray cluster answers at --ray-address={nobody}")):
+        main([*config, "--launcher", "ray", "--num-workers", "4", "--ray-address", nobody])
+    monkeypatch.setitem(sys.modules, "ray", None)  # as where Ray is not installed
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'lightdist\[ray\]'"):
+        main([*config, "--launcher", "ray", "--num-workers", "4"])
