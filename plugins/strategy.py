@@ -306,9 +306,9 @@ class ParallelStrategy(ModelParallelStrategy):
 
     @override
     def _setup_distributed(self) -> None:
-        self.set_world_ranks()
         store = round_store(self.global_rank, self._timeout) if not dist.is_initialized() else None
         if store is not None:
+            self.set_world_ranks()
             _init_dist_connection(
                 self.cluster_environment,
                 self._get_process_group_backend(),
