@@ -32,7 +32,12 @@ def main(argv: list[str]) -> None:
     """``lightdist fit ... --launcher ray``: the launcher's own options, the rest is the config for the workers."""
     parser = argparse.ArgumentParser(prog="lightdist fit --launcher ray", add_help=False)
     parser.add_argument("--launcher", choices=["ray"], required=True)
-    parser.add_argument("--num-workers", type=int, required=True, help="Ray workers: one rank each")
+    parser.add_argument(
+        "--num-workers",
+        type=_worker_count,
+        required=True,
+        help="Ray workers, one rank each: N, or MIN:MAX for an elastic group that Ray sizes to the cluster",
+    )
     parser.add_argument("--ray-address", help="a running Ray cluster (host:port, ray://host:port, auto); else local")
     parser.add_argument("--max-failures", type=int, default=0, help="times Ray starts the workers again after one dies")
     options, cli_args = parser.parse_known_args(argv)
@@ -45,16 +50,31 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"lightdist: the Ray job failed: {result.error}")
 
 
+def _worker_count(text: str) -> int | tuple[int, int]:
+    """``N`` workers, or ``MIN:MAX``: an elastic group."""
+    low, _, high = text.partition(":")
+    try:
+        return (int(low), int(high)) if high else int(low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither N nor MIN:MAX (e.g. 8, or 4:8 for an elastic group)"
+        ) from None
+
+
 def fit(
     cli_args: list[str],
     *,
-    num_workers: int,
+    num_workers: int | tuple[int, int],
     address: str | None = None,
     max_failures: int = 0,
     ray_callbacks: Sequence[Any] = (),
 ) -> Any:
     """Train the LightningCLI config ``cli_args`` (``--config X`` and overrides) on ``num_workers`` Ray workers;
     returns Ray's ``Result``. Bad input raises here, before any worker starts.
+
+    ``num_workers=(min, max)`` is an elastic group: Ray starts as many workers as the cluster has room for, and
+    starts the group again on another number when nodes are lost or join. Every size in the range must train the
+    config's layout; the per-rank batch stays, so the global batch follows the group's size.
 
     ``ray_callbacks``: Ray Train ``UserCallback``s, which receive the metrics every worker reports (Ray keeps no
     metrics in its ``Result`` without a Ray checkpoint, and lightdist's checkpoints go to the run's URL instead).
@@ -65,12 +85,15 @@ def fit(
         from ray.train.torch import TorchTrainer
     except ImportError as error:
         raise ModuleNotFoundError(f"--launcher ray needs Ray Train, which is not installed: {_INSTALL}") from error
-    if num_workers < 1:
-        raise ValueError(f"--num-workers={num_workers}: Ray needs at least one worker.")
+    low, high = num_workers if isinstance(num_workers, tuple) else (num_workers, num_workers)
+    if not 1 <= low <= high:
+        raise ValueError(f"--num-workers={_shown(num_workers)}: Ray needs at least one worker, and MIN <= MAX.")
     trainer_config = _parsed_trainer_config(cli_args)
     strategy = _strategy_of(trainer_config["strategy"])
     if isinstance(strategy, ParallelStrategy):
-        strategy.check_world_size(num_workers, launcher="Ray's --num-workers")
+        for size in range(low, high + 1):
+            in_range = f" (the range lets Ray start {size} workers)" if low < high else ""
+            strategy.check_world_size(size, launcher=f"Ray's --num-workers={_shown(num_workers)}{in_range}")
     _connect(ray, address)
     use_gpu = trainer_config["accelerator"] in ("gpu", "cuda")
     trainer = TorchTrainer(
@@ -141,6 +164,10 @@ def _strategy_of(config: str | dict[str, Any]) -> Any:
     if isinstance(config, str):
         return StrategyRegistry.get(config) if config in StrategyRegistry else config
     return instantiate_class((), config)
+
+
+def _shown(num_workers: int | tuple[int, int]) -> str:
+    return ":".join(map(str, num_workers)) if isinstance(num_workers, tuple) else str(num_workers)
 
 
 def _connect(ray: Any, address: str | None) -> None:

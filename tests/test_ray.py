@@ -12,7 +12,9 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from multirank import free_port
 from training import Case, keep_two_newest, train
 
 ray = pytest.importorskip("ray", reason="the Ray tests need lightdist[ray]")
+from ray.cluster_utils import Cluster  # noqa: E402
 from ray.train import FailureConfig, ScalingConfig, UserCallback  # noqa: E402
 from ray.train.lightning import RayLightningEnvironment  # noqa: E402
 from ray.train.torch import TorchTrainer  # noqa: E402
@@ -41,17 +44,28 @@ CONFIGS = TESTS.parent / "configs"
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster() -> Any:
-    """A local cluster of 4 logical CPUs (one per worker) on this machine's 2 cores; workers import the tests'
-    helpers from tests/."""
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(TESTS)}})
-    yield
+    """A local cluster whose head node has 4 logical CPUs (one per worker) on this machine's 2 cores; a test may add
+    nodes, and remove them as a machine is lost. Workers import the tests' helpers from tests/."""
+    # A lost node is declared dead after 3 missed health checks 0.5 s apart (Ray's default: 5 of 3 s).
+    fast_failure_detection = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 4, "include_dashboard": False, "_system_config": fast_failure_detection},
+    )
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(TESTS)}})
+    yield cluster
     ray.shutdown()
+    cluster.shutdown()
 
 
 def train_on_worker(config: dict[str, Any]) -> None:
-    """The user's train function: ``train`` with Ray's environment; rank 0 saves what it trained."""
+    """The user's train function: ``train`` with Ray's environment; rank 0 saves what it trained. With
+    ``global_batch``, each data-parallel rank takes its share of it, whatever the size of the group Ray started."""
     os.environ.update(config.get("env", {}))
     case = config["case"]
+    if "global_batch" in config:
+        data_parallel_size = ray.train.get_context().get_world_size() // case.strategy.get("tensor_parallel_size", 1)
+        case = replace(case, batch_size=config["global_batch"] // data_parallel_size)
     callbacks = config.get("callbacks", [])
     result = train(
         case, callbacks=callbacks, resume_from=config.get("resume_from"), plugins=[RayLightningEnvironment()]
@@ -60,11 +74,11 @@ def train_on_worker(config: dict[str, Any]) -> None:
         torch.save(result, config["result"])
 
 
-def fit_on_ray(workers: int, config: dict[str, Any], max_failures: int = 0) -> Any:
+def fit_on_ray(workers: int | tuple[int, int], config: dict[str, Any], max_failures: int = 0, **scaling: Any) -> Any:
     result = TorchTrainer(
         train_on_worker,
         train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=workers),
+        scaling_config=ScalingConfig(num_workers=workers, **scaling),
         run_config=ray.train.RunConfig(failure_config=FailureConfig(max_failures=max_failures)),
     ).fit()
     assert result.error is None, result.error
@@ -98,7 +112,7 @@ class KillOnce(Callback):
 
 
 class RecordRestart(Callback):
-    """Rank 0 of the restarted group writes when its first step after the kill ended: recovery, as a user sees it."""
+    """Rank 0 of the restarted group writes when its first step after the failure ended: recovery, as a user sees it."""
 
     def __init__(self, marker: Path, recovered: Path) -> None:
         self.marker, self.recovered = marker, recovered
@@ -139,11 +153,77 @@ def test_a_killed_worker_is_restarted_by_ray_and_resumes_from_s3_where_the_run_s
         torch.testing.assert_close(resumed.params[name], weight, rtol=1e-5, atol=1e-5, msg=name)
 
 
+class WaitForTheNodeToBeLost(Callback):
+    """The workers on node ``node_id`` mark ``marker`` after step ``step``, and wait there for their machine to be
+    lost."""
+
+    def __init__(self, node_id: str, step: int, marker: Path) -> None:
+        self.node_id, self.step, self.marker = node_id, step, marker
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and ray.get_runtime_context().get_node_id() == self.node_id:
+            self.marker.touch()
+            time.sleep(300)
+
+
+def test_a_group_that_loses_a_node_comes_back_on_fewer_workers_and_resumes_under_the_new_layout(
+    ray_cluster: Cluster,
+    tmp_path: Path,
+    s3_endpoint: str,
+    s3_bucket: tuple[str, AbstractFileSystem],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Elastic Ray Train: ``num_workers=(2, 4)``, 2 CPUs a worker, on the head node and a second node of 4 CPUs each;
+    tp=2 and ZeRO-3, a global batch of 4 windows, a checkpoint to moto's S3 after every step. The second node is
+    lost after step 4 of 8: Ray starts the group again on the 2 workers left (tp=2 x dp=2 becomes tp=2 x dp=1), which
+    resumes from the newest complete checkpoint and ends with the uninterrupted run's losses and weights."""
+    url, _ = s3_bucket
+    # Ray learns of a lost node's resources only every 20 s: its first restart asks for the 4 workers of before and
+    # waits this long for them (60 s by default) before it asks for the 2 there are.
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
+    second_node = ray_cluster.add_node(num_cpus=4)
+    waiting, lost, recovered = tmp_path / "waiting", tmp_path / "lost", tmp_path / "recovered"
+    case = Case(strategy={"tensor_parallel_size": 2, "zero_stage": 3, "async_checkpoint": "thread"}, steps=8)
+    config = {
+        "case": case,
+        "global_batch": 4,
+        "result": str(tmp_path / "result.pt"),
+        "env": {name: value for name, value in os.environ.items() if name.startswith(("AWS_", "FSSPEC_S3_"))},
+        "callbacks": [
+            keep_two_newest(f"{url}/run"),
+            WaitForTheNodeToBeLost(second_node.node_id, 4, waiting),
+            RecordRestart(lost, recovered),
+        ],
+        "resume_from": "last",
+    }
+
+    def lose_the_second_node() -> None:
+        while not waiting.exists():
+            time.sleep(0.2)
+        ray_cluster.remove_node(second_node, allow_graceful=False)
+        lost.write_text(str(time.time()))
+
+    losing = threading.Thread(target=lose_the_second_node, daemon=True)
+    losing.start()
+    resumed = fit_on_ray((2, 4), config, max_failures=1, resources_per_worker={"CPU": 2})
+    losing.join(timeout=0)
+    assert lost.exists(), "the second node was not lost"
+    recovery_s = float(recovered.read_text()) - float(lost.read_text())
+    print(f"recovered from the lost node on fewer workers in {recovery_s:.1f} s")  # the README's figure, with -s
+    assert resumed.layout == "pp=1 x dp=1 x tp=2", resumed.layout
+
+    one_process = train(replace(case, strategy=None, batch_size=4))
+    assert len(resumed.losses) in (5, 6)  # after step 3's checkpoint, or step 2's if the loss cut step 3's upload short
+    torch.testing.assert_close(resumed.losses, one_process.losses[-len(resumed.losses) :], rtol=1e-5, atol=0)
+    for name, weight in one_process.params.items():
+        torch.testing.assert_close(resumed.params[name], weight, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_lightdist_fit_runs_a_config_on_ray_and_reports_its_metrics(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The CLI's launcher: the config's relative paths are the launch directory's, the checkpoints land there, and
-    Ray's result holds the metrics Lightning logged."""
+    """The CLI's launcher, on an elastic group: the config's relative paths are the launch directory's, the
+    checkpoints land there, and Ray's result holds the metrics Lightning logged."""
     monkeypatch.chdir(tmp_path)
     overrides = ["--trainer.max_steps=4", "--trainer.val_check_interval=4", "--trainer.limit_val_batches=1"]
     overrides += [
@@ -153,7 +233,8 @@ def test_lightdist_fit_runs_a_config_on_ray_and_reports_its_metrics(
     ]
     reported = tmp_path / "reported.jsonl"
     config = ["--config", str(CONFIGS / "zero3_cpu.yaml"), *overrides]
-    result = lightdist.ray.fit(config, num_workers=2, ray_callbacks=[MetricsTo(reported)])
+    # An elastic range: the head node has room for both workers, so Ray starts 2.
+    result = lightdist.ray.fit(config, num_workers=(1, 2), ray_callbacks=[MetricsTo(reported)])
     assert result.error is None, result.error
     metrics = [json.loads(line) for line in reported.read_text().splitlines()]
     assert [report["step"] for report in metrics] == [2, 4, 4]  # every log_every_n_steps, and at the end
@@ -178,6 +259,13 @@ def test_bad_input_is_refused_before_any_worker_starts(monkeypatch: pytest.Monke
         ValueError, match=r"world size 3 is not divisible by tensor_parallel_size=2.*Ray's --num-workers"
     ):
         main([*config, "--launcher", "ray", "--num-workers", "3"])
+    with pytest.raises(ValueError, match=r"world size 3 is not divisible.*the range lets Ray start 3 workers"):
+        main([*config, "--launcher", "ray", "--num-workers", "2:4"])
+    with pytest.raises(ValueError, match="at least one worker, and MIN <= MAX"):
+        main([*config, "--launcher", "ray", "--num-workers", "4:2"])
+    with pytest.raises(SystemExit):
+        main([*config, "--launcher", "ray", "--num-workers", "two"])
+    assert "'two' is neither N nor MIN:MAX" in capsys.readouterr().err
     nobody = f"127.0.0.1:{free_port()}"
     with pytest.raises(ConnectionError, match=re.escape(f"No Ray cluster answers at --ray-address={nobody}")):
         main([*config, "--launcher", "ray", "--num-workers", "4", "--ray-address", nobody])
