@@ -74,7 +74,8 @@ def fit(
 
     ``num_workers=(min, max)`` is an elastic group: Ray starts as many workers as the cluster has room for, and
     starts the group again on another number when nodes are lost or join. Every size in the range must train the
-    config's layout; the per-rank batch stays, so the global batch follows the group's size.
+    config's layout. A data module's batch is per rank, so the global batch follows the group's size, unless it
+    is given whole (``TokenDataModule(global_batch_size=N)``).
 
     ``ray_callbacks``: Ray Train ``UserCallback``s, which receive the metrics every worker reports (Ray keeps no
     metrics in its ``Result`` without a Ray checkpoint, and lightdist's checkpoints go to the run's URL instead).

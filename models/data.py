@@ -67,7 +67,10 @@ class TokenDataModule(LightningDataModule):
         data_path: URL or path of a flat token file; ``None`` makes the arithmetic corpus in memory.
         dtype: Element type of the token file.
         seq_len: Tokens per sample (the model sees ``seq_len`` inputs and ``seq_len`` targets).
-        batch_size: Samples per batch on each data-parallel rank.
+        batch_size: Samples per batch on each data-parallel rank (8 if neither size is given).
+        global_batch_size: Samples per batch over all data-parallel ranks, in place of ``batch_size``: each rank
+            takes its share, so a job that restarts on another number of ranks (elastic torchrun, Ray) trains on the
+            same batches.
         val_fraction: Share of the tokens, taken from the end, held out for validation.
         synthetic_tokens: Size of the arithmetic corpus when ``data_path`` is ``None``.
         shuffle: Shuffle training windows each epoch (seeded, identical on every rank).
@@ -79,7 +82,8 @@ class TokenDataModule(LightningDataModule):
         data_path: str | None = None,
         dtype: Literal["uint16", "uint32"] = "uint16",
         seq_len: int = 64,
-        batch_size: int = 8,
+        batch_size: int | None = None,
+        global_batch_size: int | None = None,
         val_fraction: float = 0.05,
         synthetic_tokens: int = 262_144,
         shuffle: bool = True,
@@ -89,14 +93,22 @@ class TokenDataModule(LightningDataModule):
         super().__init__()
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction={val_fraction} must be in [0, 1).")
+        if batch_size is not None and global_batch_size is not None:
+            raise ValueError(
+                f"batch_size={batch_size} (per rank) and global_batch_size={global_batch_size} (over all ranks) both"
+                " set the batch: give one of them."
+            )
         self.data_path, self.dtype = data_path, dtype
-        self.seq_len, self.batch_size = seq_len, batch_size
+        self.seq_len, self.global_batch_size = seq_len, global_batch_size
+        self.batch_size = 8 if batch_size is None and global_batch_size is None else batch_size
         self.val_fraction, self.synthetic_tokens = val_fraction, synthetic_tokens
         self.shuffle, self.seed, self.num_workers = shuffle, seed, num_workers
         self.train: TokenWindows | None = None
         self.val: TokenWindows | None = None
 
     def setup(self, stage: str | None = None) -> None:
+        # Lightning sets up the data before it builds the model: a global batch that does not split fails here.
+        self.batch_size = self._batch_per_rank()
         if self.data_path is None:
             tokens = arithmetic_corpus(self.synthetic_tokens, seed=self.seed)
         else:
@@ -114,10 +126,26 @@ class TokenDataModule(LightningDataModule):
             return []  # Lightning skips validation
         return self._loader(self.val, shuffle=False)
 
+    def _sharding(self) -> dict[str, int] | None:
+        """How the strategy deals samples to data-parallel ranks; ``None`` in a single process."""
+        return getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
+
+    def _batch_per_rank(self) -> int:
+        if self.global_batch_size is None:
+            return self.batch_size
+        sharding = self._sharding()
+        ranks = sharding["num_replicas"] if sharding else 1
+        if self.global_batch_size % ranks:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} does not split over {ranks} data-parallel ranks. Make it a"
+                f" multiple of {ranks}, or of every data-parallel size an elastic job may run on."
+            )
+        return self.global_batch_size // ranks
+
     def _loader(self, dataset: TokenWindows | None, *, shuffle: bool) -> StatefulDataLoader:
         if dataset is None:
             raise RuntimeError("Call setup() before asking for a dataloader.")
-        sharding = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
+        sharding = self._sharding()
         if sharding is None:
             return StatefulDataLoader(
                 dataset, batch_size=self.batch_size, shuffle=shuffle, drop_last=True, num_workers=self.num_workers

@@ -81,13 +81,14 @@ def device_memory_gib(device: torch.device, local_ranks: int) -> float:
 
 def _batch_dimension(module: pl.LightningModule, name: Literal["seq_len", "batch_size"]) -> int:
     """Found where Lightning's batch-size finder looks: the module, its hparams, the data module and its hparams."""
-    if not lightning_hasattr(module, name):
+    value = lightning_getattr(module, name) if lightning_hasattr(module, name) else None
+    if value is None:  # a global batch is not enough: its share per rank depends on the layout being picked
         raise ValueError(
             f"'auto' parallel sizes are picked for the batch each rank holds, but neither {type(module).__name__} nor "
-            f"its data module has a `{name}` attribute or hyperparameter. Add `seq_len` (tokens per sample) and "
+            f"its data module gives a `{name}` attribute or hyperparameter. Add `seq_len` (tokens per sample) and "
             "`batch_size` (samples per data-parallel rank), or set tensor_parallel_size and pipeline_parallel_size."
         )
-    return int(lightning_getattr(module, name))
+    return int(value)
 
 
 def _planned_precision(precision: str) -> Literal["bf16-mixed", "32-true"]:

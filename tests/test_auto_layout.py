@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch import Trainer
 
 from lightdist.layout import ParallelLayout
-from lightdist.models import Llama
+from lightdist.models import Llama, TokenDataModule
 from lightdist.planner import Cluster, GiB, ModelShape, choose_layout
 from lightdist.plugins.auto_layout import device_memory_gib, planned_layout
 
@@ -75,8 +75,18 @@ def planned_on_two_cpu_ranks(model: Llama) -> ParallelLayout:
 
 
 def test_a_model_without_batch_dimensions_is_told_what_to_declare() -> None:
-    with pytest.raises(ValueError, match=r"neither Llama nor its data module has a `seq_len` attribute"):
+    with pytest.raises(ValueError, match=r"neither Llama nor its data module gives a `seq_len` attribute"):
         planned_on_two_cpu_ranks(meta_llama("tiny"))
+
+
+def test_a_global_batch_does_not_say_what_each_rank_holds() -> None:
+    """Its share per rank depends on the data-parallel size being picked."""
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="lightdist_auto", logger=False)
+    model = meta_llama("tiny")
+    model.trainer, trainer.strategy._lightning_module = trainer, model
+    trainer._data_connector.attach_datamodule(model, TokenDataModule(seq_len=32, global_batch_size=8))
+    with pytest.raises(ValueError, match=r"neither Llama nor its data module gives a `batch_size` attribute"):
+        planned_on_two_cpu_ranks(model)
 
 
 class LlamaBuiltLate(Llama):

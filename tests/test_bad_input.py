@@ -249,6 +249,23 @@ def fit_one_weight_on_two_zero1_ranks() -> None:
     trainer.fit(_OneWeight(), train_dataloaders=[[0]])
 
 
+def fit_a_global_batch_of_three_on_two_ranks() -> None:
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=ParallelStrategy(), max_steps=1, logger=False)
+    data = TokenDataModule(seq_len=16, global_batch_size=3, val_fraction=0.0, synthetic_tokens=4096)
+    trainer.fit(Llama("tiny"), datamodule=data)
+
+
+@pytest.mark.multirank
+def test_a_global_batch_must_split_over_the_data_parallel_ranks(errors_on_two_ranks: dict[str, str]) -> None:
+    message = r"global_batch_size=3 does not split over 2 data-parallel ranks. Make it a multiple of 2"
+    assert re.search(message, errors_on_two_ranks["global_batch_of_three"])
+
+
+def test_a_batch_is_given_per_rank_or_over_all_ranks_not_both() -> None:
+    with pytest.raises(ValueError, match=r"batch_size=4 \(per rank\) and global_batch_size=8 .* give one of them"):
+        TokenDataModule(batch_size=4, global_batch_size=8)
+
+
 @pytest.mark.multirank
 def test_zero1_needs_a_parameter_for_every_data_parallel_rank(errors_on_two_ranks: dict[str, str]) -> None:
     message = r"but 2 ranks share 1 parameter tensors. Use zero_stage=2 or 3"
@@ -280,6 +297,7 @@ def errors_on_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
     fits.update(
         shared_mask=(fit_shared_mask_in_a_pipeline, ()),
         zero1_one_weight=(fit_one_weight_on_two_zero1_ranks, ()),
+        global_batch_of_three=(fit_a_global_batch_of_three_on_two_ranks, ()),
         fewer_wider_blocks=(fit_llama, ({"n_layers": 3, "ffn_dim": 192}, PIPELINE, checkpoint)),
         more_blocks=(fit_llama, ({"n_layers": 5}, PIPELINE, checkpoint)),
     )

@@ -59,13 +59,9 @@ def ray_cluster() -> Any:
 
 
 def train_on_worker(config: dict[str, Any]) -> None:
-    """The user's train function: ``train`` with Ray's environment; rank 0 saves what it trained. With
-    ``global_batch``, each data-parallel rank takes its share of it, whatever the size of the group Ray started."""
+    """The user's train function: ``train`` with Ray's environment; rank 0 saves what it trained."""
     os.environ.update(config.get("env", {}))
     case = config["case"]
-    if "global_batch" in config:
-        data_parallel_size = ray.train.get_context().get_world_size() // case.strategy.get("tensor_parallel_size", 1)
-        case = replace(case, batch_size=config["global_batch"] // data_parallel_size)
     callbacks = config.get("callbacks", [])
     result = train(
         case, callbacks=callbacks, resume_from=config.get("resume_from"), plugins=[RayLightningEnvironment()]
@@ -183,10 +179,13 @@ def test_a_group_that_loses_a_node_comes_back_on_fewer_workers_and_resumes_under
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
     second_node = ray_cluster.add_node(num_cpus=4)
     waiting, lost, recovered = tmp_path / "waiting", tmp_path / "lost", tmp_path / "recovered"
-    case = Case(strategy={"tensor_parallel_size": 2, "zero_stage": 3, "async_checkpoint": "thread"}, steps=8)
+    case = Case(
+        strategy={"tensor_parallel_size": 2, "zero_stage": 3, "async_checkpoint": "thread"},
+        steps=8,
+        global_batch_size=4,  # 2 windows on each of 2 data-parallel ranks, then 4 on one
+    )
     config = {
         "case": case,
-        "global_batch": 4,
         "result": str(tmp_path / "result.pt"),
         "env": {name: value for name, value in os.environ.items() if name.startswith(("AWS_", "FSSPEC_S3_"))},
         "callbacks": [
@@ -212,7 +211,7 @@ def test_a_group_that_loses_a_node_comes_back_on_fewer_workers_and_resumes_under
     print(f"recovered from the lost node on fewer workers in {recovery_s:.1f} s")  # the README's figure, with -s
     assert resumed.layout == "pp=1 x dp=1 x tp=2", resumed.layout
 
-    one_process = train(replace(case, strategy=None, batch_size=4))
+    one_process = train(replace(case, strategy=None))
     assert len(resumed.losses) in (5, 6)  # after step 3's checkpoint, or step 2's if the loss cut step 3's upload short
     torch.testing.assert_close(resumed.losses, one_process.losses[-len(resumed.losses) :], rtol=1e-5, atol=0)
     for name, weight in one_process.params.items():

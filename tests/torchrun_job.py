@@ -96,8 +96,7 @@ def main(options: argparse.Namespace) -> None:
         enable_model_summary=False,
     )
     model = LlamaWithOneBadBatch(options.nan_at)
-    batch_size = options.global_batch * TENSOR_PARALLEL // WORLD_SIZE
-    data = TokenDataModule(seq_len=32, batch_size=batch_size, synthetic_tokens=1 << 16)
+    data = TokenDataModule(seq_len=32, global_batch_size=options.global_batch, synthetic_tokens=1 << 16)
     trainer.fit(model, datamodule=data, ckpt_path="last")
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.is_global_zero:

@@ -125,6 +125,7 @@ class Case:
     model: str = "llama"
     steps: int = 5
     batch_size: int = 4  # per data-parallel rank
+    global_batch_size: int | None = None  # over all data-parallel ranks, in place of batch_size
     seq_len: int = 32
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = None
@@ -241,7 +242,8 @@ def train(
     model = MODELS[case.model](learning_rate=1e-3, warmup_steps=2)
     data = TokenDataModule(
         seq_len=case.seq_len,
-        batch_size=case.batch_size,
+        batch_size=case.batch_size if case.global_batch_size is None else None,
+        global_batch_size=case.global_batch_size,
         shuffle=case.shuffle,
         val_fraction=0.05 if case.validate else 0.0,
         synthetic_tokens=65_536,
