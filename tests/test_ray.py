@@ -26,7 +26,7 @@ from lightning.pytorch import Callback
 from lightdist.cli import main
 
 from multirank import free_port
-from training import Case, keep_two_newest, train
+from training import Case, keep_two_newest, merge_stages, train
 
 ray = pytest.importorskip("ray", reason="the Ray tests need lightdist[ray]")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -44,14 +44,18 @@ CONFIGS = TESTS.parent / "configs"
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster() -> Any:
-    """A local cluster whose head node has 4 logical CPUs (one per worker) on this machine's 2 cores; a test may add
-    nodes, and remove them as a machine is lost. Workers import the tests' helpers from tests/."""
+    """A local cluster of two nodes with 4 logical CPUs each (one per worker) on this machine's 2 cores: the head
+    node, and a second node that one test loses as a machine is lost. Workers import the tests' helpers from tests/.
+
+    Both nodes start here because Ray Train sees nodes that join only every 20 s, after it has started a group.
+    """
     # A lost node is declared dead after 3 missed health checks 0.5 s apart (Ray's default: 5 of 3 s).
     fast_failure_detection = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 4, "include_dashboard": False, "_system_config": fast_failure_detection},
     )
+    cluster.add_node(num_cpus=4)
     ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(TESTS)}})
     yield cluster
     ray.shutdown()
@@ -59,18 +63,20 @@ def ray_cluster() -> Any:
 
 
 def train_on_worker(config: dict[str, Any]) -> None:
-    """The user's train function: ``train`` with Ray's environment; rank 0 saves what it trained."""
+    """The user's train function: ``train`` with Ray's environment; each rank saves what it trained (under a
+    pipeline, its stage's weights)."""
     os.environ.update(config.get("env", {}))
     case = config["case"]
     callbacks = config.get("callbacks", [])
     result = train(
         case, callbacks=callbacks, resume_from=config.get("resume_from"), plugins=[RayLightningEnvironment()]
     )
-    if ray.train.get_context().get_world_rank() == 0:
-        torch.save(result, config["result"])
+    torch.save(result, Path(config["results"]) / f"{ray.train.get_context().get_world_rank()}.pt")
 
 
 def fit_on_ray(workers: int | tuple[int, int], config: dict[str, Any], max_failures: int = 0, **scaling: Any) -> Any:
+    """Rank 0's result, with every stage's weights."""
+    Path(config["results"]).mkdir()
     result = TorchTrainer(
         train_on_worker,
         train_loop_config=config,
@@ -78,17 +84,19 @@ def fit_on_ray(workers: int | tuple[int, int], config: dict[str, Any], max_failu
         run_config=ray.train.RunConfig(failure_config=FailureConfig(max_failures=max_failures)),
     ).fit()
     assert result.error is None, result.error
-    return torch.load(config["result"], weights_only=False)
+    saved = sorted(Path(config["results"]).glob("*.pt"), key=lambda path: int(path.stem))
+    (merged,) = merge_stages([[torch.load(path, weights_only=False)] for path in saved])
+    return merged
 
 
 @pytest.mark.parametrize(
     ("workers", "strategy"),
-    [(2, {"zero_stage": 3}), (4, {"tensor_parallel_size": 2, "zero_stage": 3})],
-    ids=["dp2-zero3", "tp2-dp2"],
+    [(2, {"zero_stage": 3}), (4, {"tensor_parallel_size": 2, "zero_stage": 3}), (2, {"pipeline_parallel_size": 2})],
+    ids=["dp2-zero3", "tp2-dp2", "pp2-1f1b"],
 )
 def test_torch_trainer_workers_train_as_one_process_does(workers: int, strategy: dict, tmp_path: Path) -> None:
     case = Case(strategy=strategy, steps=4)
-    on_ray = fit_on_ray(workers, {"case": case, "result": str(tmp_path / "result.pt")})
+    on_ray = fit_on_ray(workers, {"case": case, "results": str(tmp_path / "results")})
     one_process = train(case.reference(workers))
     torch.testing.assert_close(on_ray.losses, one_process.losses, rtol=1e-5, atol=0)
     for name, weight in one_process.params.items():
@@ -113,8 +121,11 @@ class RecordRestart(Callback):
     def __init__(self, marker: Path, recovered: Path) -> None:
         self.marker, self.recovered = marker, recovered
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.restarted = self.marker.exists()  # not the group that saw the failure, whose rank 0 may still step once
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_rank == 0 and self.marker.exists() and not self.recovered.exists():
+        if trainer.global_rank == 0 and self.restarted and not self.recovered.exists():
             self.recovered.write_text(str(time.time()))
 
 
@@ -129,7 +140,7 @@ def test_a_killed_worker_is_restarted_by_ray_and_resumes_from_s3_where_the_run_s
     killed, recovered = tmp_path / "killed", tmp_path / "recovered"
     config = {
         "case": case,
-        "result": str(tmp_path / "result.pt"),
+        "results": str(tmp_path / "results"),
         # The S3 server's endpoint and credentials: the workers started before this test set them.
         "env": {name: value for name, value in os.environ.items() if name.startswith(("AWS_", "FSSPEC_S3_"))},
         "callbacks": [keep_two_newest(f"{url}/run"), KillOnce(4, killed), RecordRestart(killed, recovered)],
@@ -177,7 +188,7 @@ def test_a_group_that_loses_a_node_comes_back_on_fewer_workers_and_resumes_under
     # Ray learns of a lost node's resources only every 20 s: its first restart asks for the 4 workers of before and
     # waits this long for them (60 s by default) before it asks for the 2 there are.
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
-    second_node = ray_cluster.add_node(num_cpus=4)
+    (second_node,) = ray_cluster.worker_nodes
     waiting, lost, recovered = tmp_path / "waiting", tmp_path / "lost", tmp_path / "recovered"
     case = Case(
         strategy={"tensor_parallel_size": 2, "zero_stage": 3, "async_checkpoint": "thread"},
@@ -186,7 +197,7 @@ def test_a_group_that_loses_a_node_comes_back_on_fewer_workers_and_resumes_under
     )
     config = {
         "case": case,
-        "result": str(tmp_path / "result.pt"),
+        "results": str(tmp_path / "results"),
         "env": {name: value for name, value in os.environ.items() if name.startswith(("AWS_", "FSSPEC_S3_"))},
         "callbacks": [
             keep_two_newest(f"{url}/run"),
