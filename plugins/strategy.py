@@ -63,6 +63,7 @@ from lightdist.planner import GiB
 from lightdist.plugins.auto_layout import planned_layout
 from lightdist.plugins.metric_sync import reduce_metrics_over
 from lightdist.plugins.non_finite import NonFiniteError, NonFinitePolicy, NonFiniteStep, check_finite
+from lightdist.plugins.options import PipelineSchedule, check_microbatch_rounds, validate_options
 from lightdist.plugins.pipeline import PipelineStep, TiedGradients
 from lightdist.plugins.rank_state import deal_samples_in_turn, gather_rank_states, take_rank_state
 from lightdist.restarts import nodes_started_by_torchrun, round_store
@@ -73,7 +74,6 @@ from lightdist.storage import (
     configure,
     load_sharded,
     read_metadata,
-    reject_credentials,
     resolve,
 )
 from lightdist.structure import DecoderStack, find_decoder_stack
@@ -92,7 +92,6 @@ __all__ = ["ParallelStrategy"]
 
 log = logging.getLogger(__name__)
 
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"]
 
 _MIXED_PRECISION_COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
@@ -191,7 +190,7 @@ class ParallelStrategy(ModelParallelStrategy):
         collective_timeout: float = 1800.0,
         process_group_backend: str | None = None,
     ) -> None:
-        _validate_options(
+        validate_options(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
@@ -271,13 +270,13 @@ class ParallelStrategy(ModelParallelStrategy):
             self._resolve_layout(world_size, world_from=launcher)
 
     @property
-    def _world_size_to_come(self) -> int:
-        """The ranks the job will have: the launcher's count (torchrun's, SLURM's, Ray's), where it started them;
-        else ``num_nodes x devices``, as Lightning's launcher starts them."""
+    def _world_size_to_come(self) -> tuple[int, str]:
+        """The ranks the job will have, and who sets that number: the launcher that started them (torchrun, SLURM,
+        Ray), or ``num_nodes x devices``, as Lightning's launcher starts them."""
         environment = self.cluster_environment
         if environment is not None and environment.creates_processes_externally:
-            return environment.world_size()
-        return self.num_nodes * self.num_processes
+            return environment.world_size(), f"the launcher's world size ({type(environment).__name__})"
+        return self.num_nodes * self.num_processes, "devices x num_nodes"
 
     @property
     @override
@@ -296,7 +295,7 @@ class ParallelStrategy(ModelParallelStrategy):
         if isinstance(self.cluster_environment, TorchElasticEnvironment):
             self.num_nodes = nodes_started_by_torchrun(self.num_nodes)
         if not self._planner_picks_sizes:
-            self._layout = self._resolve_layout(self._world_size_to_come)
+            self._layout = self._resolve_layout(*self._world_size_to_come)
         if self._cpu_offload and self.root_device.type == "cpu":
             raise ValueError(
                 "cpu_offload=True moves sharded state from accelerator memory to CPU memory, but the accelerator is "
@@ -322,7 +321,10 @@ class ParallelStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         self._share_cpu_threads()
         self._setup_distributed()
-        self._layout = self._plan_layout() if self._planner_picks_sizes else self._resolve_layout(self.world_size)
+        if self._planner_picks_sizes:
+            self._layout = self._plan_layout()
+        else:
+            self._layout = self._resolve_layout(*self._world_size_to_come)
         self._device_mesh = self._layout.build_mesh(self.root_device.type)
         for name in MESH_DIM_NAMES:  # torch makes a mesh's groups with its own default timeout, not the world's
             _set_pg_timeout(self._timeout, self._device_mesh[name].get_group())
@@ -760,7 +762,7 @@ class ParallelStrategy(ModelParallelStrategy):
         # One node's devices: tensor parallelism needs the fastest links.
         return self.num_processes if self._tensor_parallel_size == "node" else self._tensor_parallel_size
 
-    def _resolve_layout(self, world_size: int, world_from: str = "devices x num_nodes") -> ParallelLayout:
+    def _resolve_layout(self, world_size: int, world_from: str) -> ParallelLayout:
         return ParallelLayout.resolve(
             world_size,
             data_parallel_size=self._data_parallel_size,
@@ -791,7 +793,7 @@ class ParallelStrategy(ModelParallelStrategy):
             tp_plan=self._tp_plan,
         )
         layout = self.broadcast(layout)
-        _check_microbatch_rounds(self._pipeline_schedule, self._microbatches, layout.pp)
+        check_microbatch_rounds(self._pipeline_schedule, self._microbatches, layout.pp)
         rank_zero_info(
             f"lightdist: the planner chose {layout} for the 'auto' sizes: about {choice.total / GiB:.2f} GiB per "
             f"device, the most tokens per second of the layouts that fit (`lightdist plan --gpus {self.world_size}`"
@@ -966,99 +968,6 @@ def _holds_parameters(module: nn.Module, name: str) -> bool:
         return any(True for _ in module.get_submodule(name).parameters(recurse=False))
     except AttributeError:  # a block another pipeline stage holds
         return False
-
-
-def _validate_options(
-    *,
-    data_parallel_size: int | str,
-    tensor_parallel_size: int | str,
-    pipeline_parallel_size: int | str,
-    zero_stage: int,
-    pipeline_schedule: str,
-    virtual_stages: int | None,
-    microbatches: int | None,
-    activation_checkpointing: str | None,
-    cpu_offload: bool,
-    async_checkpoint: str | None,
-    storage_options: Any,
-    non_finite: str | None,
-    collective_timeout: float,
-) -> None:
-    """Reject impossible options when the strategy is built, before any process or tensor exists."""
-    for name, size, words in (
-        ("data_parallel_size", data_parallel_size, ("auto",)),
-        ("tensor_parallel_size", tensor_parallel_size, ("auto", "node")),
-        ("pipeline_parallel_size", pipeline_parallel_size, ("auto",)),
-    ):
-        if size not in words and (not isinstance(size, int) or size < 1):
-            raise ValueError(f"{name}={size!r} must be a positive integer or {' or '.join(map(repr, words))}.")
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(
-            f"zero_stage={zero_stage!r} is not a ZeRO stage. Choose 0 (replicate), 1 (shard optimizer state), "
-            "2 (+ gradients) or 3 (+ parameters)."
-        )
-    if pipeline_schedule not in PipelineSchedule.__args__:
-        raise ValueError(
-            f"pipeline_schedule={pipeline_schedule!r} is not one of {', '.join(PipelineSchedule.__args__)}."
-        )
-    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
-        raise ValueError(f"microbatches={microbatches!r} must be a positive integer or None.")
-    if virtual_stages is not None:
-        if not isinstance(virtual_stages, int) or virtual_stages < 1:
-            raise ValueError(f"virtual_stages={virtual_stages!r} must be a positive integer or None.")
-        if pipeline_schedule in ("gpipe", "1f1b") and virtual_stages > 1:
-            raise ValueError(
-                f"pipeline_schedule={pipeline_schedule!r} runs one stage per rank, but virtual_stages={virtual_stages}."
-                " Use pipeline_schedule='interleaved_1f1b' or 'zero_bubble' for several stages per rank."
-            )
-    if isinstance(pipeline_parallel_size, int):
-        _check_microbatch_rounds(pipeline_schedule, microbatches, pipeline_parallel_size)
-    if activation_checkpointing not in (None, "full", "selective"):
-        raise ValueError(
-            f"activation_checkpointing={activation_checkpointing!r} is not one of None, 'full', 'selective'."
-        )
-    if async_checkpoint not in (None, *AsyncMode.__args__):
-        raise ValueError(
-            f"async_checkpoint={async_checkpoint!r} is not one of 'process' (upload from a daemon process per rank), "
-            "'thread' (from a thread) or None (save before training goes on)."
-        )
-    if storage_options is not None:
-        if not isinstance(storage_options, dict) or not all(isinstance(o, dict) for o in storage_options.values()):
-            raise ValueError(
-                f"storage_options={storage_options!r} must map a protocol to its fsspec options, e.g. "
-                "{'s3': {'endpoint_url': 'http://127.0.0.1:9000', 'profile': 'training'}}."
-            )
-        reject_credentials(storage_options)
-    if not isinstance(collective_timeout, int | float) or collective_timeout <= 0:
-        raise ValueError(f"collective_timeout={collective_timeout!r} must be a positive number of seconds.")
-    if non_finite not in (None, *NonFinitePolicy.__args__):
-        raise ValueError(
-            f"non_finite={non_finite!r} is not one of 'skip' (leave the weights as they were), 'rollback' (load the "
-            "newest checkpoint), 'stop' (raise, naming the step) or None (check nothing)."
-        )
-    if cpu_offload and zero_stage < 2:
-        raise ValueError(
-            f"cpu_offload=True needs sharded parameters and gradients, but zero_stage={zero_stage}. "
-            "Use zero_stage=2 or 3 with cpu_offload."
-        )
-    if pipeline_schedule == "zbv":
-        raise NotImplementedError(
-            "pipeline_schedule='zbv' is not offered: torch's V-shaped schedule cannot run forward-only (its eval "
-            "passes a backward between the two stages of a rank), so validation and predict would fail. Use "
-            "pipeline_schedule='zero_bubble', the interleaved zero-bubble schedule."
-        )
-
-
-def _check_microbatch_rounds(pipeline_schedule: str, microbatches: int | None, pipeline_parallel_size: int) -> None:
-    if pipeline_schedule not in ("interleaved_1f1b", "zero_bubble") or microbatches is None:
-        return
-    rounds = max(1, microbatches // pipeline_parallel_size)
-    if pipeline_parallel_size > 1 and microbatches % rounds:
-        raise ValueError(
-            f"pipeline_schedule={pipeline_schedule!r} runs microbatches in rounds of pipeline_parallel_size="
-            f"{pipeline_parallel_size}, so microbatches={microbatches} must be a multiple of {rounds} rounds. "
-            f"Choose a multiple of {pipeline_parallel_size}."
-        )
 
 
 def _failed_collective(exception: BaseException) -> bool:

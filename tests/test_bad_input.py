@@ -24,6 +24,19 @@ def test_world_size_must_equal_the_product_of_the_degrees() -> None:
         Trainer(accelerator="cpu", devices=4, strategy=ParallelStrategy(data_parallel_size=3))
 
 
+def test_under_torchrun_the_error_names_the_launchers_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun started the ranks: ``devices`` is not what to change."""
+    torchrun = dict(TORCHELASTIC_RUN_ID="run", RANK="0", GROUP_RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="3")
+    for name, value in dict(torchrun, WORLD_SIZE="3", GROUP_WORLD_SIZE="1").items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(
+        ValueError,
+        match=r"world size 3 is not divisible by tensor_parallel_size=2 .* Change the launcher's world size "
+        r"\(TorchElasticEnvironment\) or the tensor/pipeline sizes",
+    ):
+        Trainer(accelerator="cpu", devices=3, strategy=ParallelStrategy(tensor_parallel_size=2))
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [

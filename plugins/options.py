@@ -1,0 +1,109 @@
+"""``ParallelStrategy``'s options, checked when the strategy is built: an impossible value is refused before any
+process or tensor exists, and the message says what to choose instead."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from lightdist.async_checkpoint import AsyncMode
+from lightdist.plugins.non_finite import NonFinitePolicy
+from lightdist.storage import reject_credentials
+
+__all__ = ["PipelineSchedule", "check_microbatch_rounds", "validate_options"]
+
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"]
+
+
+def validate_options(
+    *,
+    data_parallel_size: int | str,
+    tensor_parallel_size: int | str,
+    pipeline_parallel_size: int | str,
+    zero_stage: int,
+    pipeline_schedule: str,
+    virtual_stages: int | None,
+    microbatches: int | None,
+    activation_checkpointing: str | None,
+    cpu_offload: bool,
+    async_checkpoint: str | None,
+    storage_options: Any,
+    non_finite: str | None,
+    collective_timeout: float,
+) -> None:
+    """Reject impossible options when the strategy is built, before any process or tensor exists."""
+    for name, size, words in (
+        ("data_parallel_size", data_parallel_size, ("auto",)),
+        ("tensor_parallel_size", tensor_parallel_size, ("auto", "node")),
+        ("pipeline_parallel_size", pipeline_parallel_size, ("auto",)),
+    ):
+        if size not in words and (not isinstance(size, int) or size < 1):
+            raise ValueError(f"{name}={size!r} must be a positive integer or {' or '.join(map(repr, words))}.")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(
+            f"zero_stage={zero_stage!r} is not a ZeRO stage. Choose 0 (replicate), 1 (shard optimizer state), "
+            "2 (+ gradients) or 3 (+ parameters)."
+        )
+    if pipeline_schedule not in PipelineSchedule.__args__:
+        raise ValueError(
+            f"pipeline_schedule={pipeline_schedule!r} is not one of {', '.join(PipelineSchedule.__args__)}."
+        )
+    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
+        raise ValueError(f"microbatches={microbatches!r} must be a positive integer or None.")
+    if virtual_stages is not None:
+        if not isinstance(virtual_stages, int) or virtual_stages < 1:
+            raise ValueError(f"virtual_stages={virtual_stages!r} must be a positive integer or None.")
+        if pipeline_schedule in ("gpipe", "1f1b") and virtual_stages > 1:
+            raise ValueError(
+                f"pipeline_schedule={pipeline_schedule!r} runs one stage per rank, but virtual_stages={virtual_stages}."
+                " Use pipeline_schedule='interleaved_1f1b' or 'zero_bubble' for several stages per rank."
+            )
+    if isinstance(pipeline_parallel_size, int):
+        check_microbatch_rounds(pipeline_schedule, microbatches, pipeline_parallel_size)
+    if activation_checkpointing not in (None, "full", "selective"):
+        raise ValueError(
+            f"activation_checkpointing={activation_checkpointing!r} is not one of None, 'full', 'selective'."
+        )
+    if async_checkpoint not in (None, *AsyncMode.__args__):
+        raise ValueError(
+            f"async_checkpoint={async_checkpoint!r} is not one of 'process' (upload from a daemon process per rank), "
+            "'thread' (from a thread) or None (save before training goes on)."
+        )
+    if storage_options is not None:
+        if not isinstance(storage_options, dict) or not all(isinstance(o, dict) for o in storage_options.values()):
+            raise ValueError(
+                f"storage_options={storage_options!r} must map a protocol to its fsspec options, e.g. "
+                "{'s3': {'endpoint_url': 'http://127.0.0.1:9000', 'profile': 'training'}}."
+            )
+        reject_credentials(storage_options)
+    if not isinstance(collective_timeout, int | float) or collective_timeout <= 0:
+        raise ValueError(f"collective_timeout={collective_timeout!r} must be a positive number of seconds.")
+    if non_finite not in (None, *NonFinitePolicy.__args__):
+        raise ValueError(
+            f"non_finite={non_finite!r} is not one of 'skip' (leave the weights as they were), 'rollback' (load the "
+            "newest checkpoint), 'stop' (raise, naming the step) or None (check nothing)."
+        )
+    if cpu_offload and zero_stage < 2:
+        raise ValueError(
+            f"cpu_offload=True needs sharded parameters and gradients, but zero_stage={zero_stage}. "
+            "Use zero_stage=2 or 3 with cpu_offload."
+        )
+    if pipeline_schedule == "zbv":
+        raise NotImplementedError(
+            "pipeline_schedule='zbv' is not offered: torch's V-shaped schedule cannot run forward-only (its eval "
+            "passes a backward between the two stages of a rank), so validation and predict would fail. Use "
+            "pipeline_schedule='zero_bubble', the interleaved zero-bubble schedule."
+        )
+
+
+def check_microbatch_rounds(pipeline_schedule: str, microbatches: int | None, pipeline_parallel_size: int) -> None:
+    """The interleaved schedules run microbatches in rounds of ``pipeline_parallel_size``; checked again once an
+    ``"auto"`` size is known."""
+    if pipeline_schedule not in ("interleaved_1f1b", "zero_bubble") or microbatches is None:
+        return
+    rounds = max(1, microbatches // pipeline_parallel_size)
+    if pipeline_parallel_size > 1 and microbatches % rounds:
+        raise ValueError(
+            f"pipeline_schedule={pipeline_schedule!r} runs microbatches in rounds of pipeline_parallel_size="
+            f"{pipeline_parallel_size}, so microbatches={microbatches} must be a multiple of {rounds} rounds. "
+            f"Choose a multiple of {pipeline_parallel_size}."
+        )
