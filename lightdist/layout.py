@@ -32,7 +32,7 @@ class ParallelLayout:
         data_parallel_size: int | Literal["auto"],
         tensor_parallel_size: int,
         pipeline_parallel_size: int,
-        world_from: str = "devices x num_nodes",
+        world_from: str,
     ) -> ParallelLayout:
         """Fill in ``"auto"`` and check that the degrees multiply to ``world_size``, which ``world_from`` sets.
 

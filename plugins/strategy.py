@@ -92,7 +92,6 @@ __all__ = ["ParallelStrategy"]
 
 log = logging.getLogger(__name__)
 
-
 _MIXED_PRECISION_COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
