@@ -81,11 +81,11 @@ def stage_sizes(model: nn.Module, stack: DecoderStack, stages: int) -> list[int]
 
 
 def tied_across_stages(module: nn.Module, stack: DecoderStack) -> list[tuple[str, str]]:
-    """(embedding, head) module names sharing a ``weight``: the first stage keeps one, the last the other."""
+    """(embedding, head) names of a weight they share: the first stage keeps one, the last the other."""
     outside = [(name, m) for name, m in module.named_modules() if name and not stack.contains(name)]
     embeddings = {id(m.weight): name for name, m in outside if isinstance(m, nn.Embedding)}
     return [
-        (embeddings[id(m.weight)], name)
+        (f"{embeddings[id(m.weight)]}.weight", f"{name}.weight")
         for name, m in outside
         if not isinstance(m, nn.Embedding)
         and isinstance(getattr(m, "weight", None), nn.Parameter)
@@ -260,7 +260,8 @@ class StageModel(nn.Module):
             raise ValueError(
                 f"Pipeline parallelism hands each stage's first block ({type(block).__name__}) the previous stage's "
                 "output as its first positional argument, but the model calls its blocks by keyword only. Call them "
-                "with the hidden states first, e.g. `block(x, ...)`."
+                "with the hidden states first, e.g. `block(x, ...)`, or cut the stages with torch's tracer "
+                "(pipeline_tracer=True)."
             )
         return (self.as_stream(self._incoming), *args[1:]), kwargs
 
@@ -271,8 +272,8 @@ class StageModel(nn.Module):
                 raise ValueError(
                     f"{type(block).__name__} returns {len(streams)} tensors shaped like its hidden states "
                     f"{tuple(output[0].shape)}, but a pipeline stage hands the next stage only the first. Carry one "
-                    "stream between blocks (add the residual inside the block), or train this model without "
-                    "pipeline parallelism."
+                    "stream between blocks (add the residual inside the block), or cut the stages with torch's "
+                    "tracer, which hands on every value (pipeline_tracer=True)."
                 )
             output = output[0]
         self._outgoing = output

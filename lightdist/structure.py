@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["DecoderStack", "find_decoder_stack"]
+__all__ = ["DecoderStack", "find_decoder_stack", "find_repeated_blocks"]
 
 
 @dataclass(frozen=True)
@@ -57,3 +57,28 @@ def find_decoder_stack(model: nn.Module) -> DecoderStack:
         )
     _, name, blocks = max(candidates, key=lambda c: c[0])
     return DecoderStack(name=name, blocks=blocks)
+
+
+def find_repeated_blocks(model: nn.Module) -> list[str]:
+    """Names of the blocks of a model that keeps them outside one ``ModuleList`` (separate attributes, an
+    ``nn.Sequential``), in definition order: the instances of the class with the most parameters among those repeated
+    at least twice and never nested in another repeated module. An empty list when no class qualifies.
+
+    "Never nested" is what tells blocks from the layers inside them: some ``nn.Linear`` sit inside blocks, so
+    ``nn.Linear`` does not qualify even if a head is one too.
+    """
+    instances: dict[type, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules():
+        if name and any(True for _ in module.parameters()):
+            instances.setdefault(type(module), []).append((name, module))
+    repeated = {cls: found for cls, found in instances.items() if len(found) > 1}
+    names = [name for found in repeated.values() for name, _ in found]
+
+    def nested(name: str) -> bool:
+        return any(name.startswith(other + ".") for other in names)
+
+    outermost = [found for found in repeated.values() if not any(nested(name) for name, _ in found)]
+    if not outermost:
+        return []
+    blocks = max(outermost, key=lambda found: sum(_num_params(module) for _, module in found))
+    return [name for name, _ in blocks]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightdist.structure import find_decoder_stack
+from lightdist.structure import find_decoder_stack, find_repeated_blocks
 
 __all__ = ["PEAK_TFLOPS", "DecoderFlops", "device_peak_flops"]
 
@@ -38,7 +38,8 @@ class DecoderFlops:
     @classmethod
     def of(cls, model: nn.Module, *, n_layers: int | None = None, dim: int | None = None) -> DecoderFlops:
         """Count ``model`` as it is built, before any parallelism splits it; the depth is its decoder stack's and
-        the width its token embedding's (the largest table) unless given."""
+        the width its token embedding's (the largest table) unless given. Without a block ``ModuleList``, the depth is
+        the count of its repeated blocks."""
         embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
         lookups = {id(m.weight) for m in embeddings}
         matmul_params = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
@@ -46,7 +47,12 @@ class DecoderFlops:
             m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and id(m.weight) in lookups
         )
         if n_layers is None:
-            n_layers = len(find_decoder_stack(model))
+            try:
+                n_layers = len(find_decoder_stack(model))
+            except ValueError:
+                n_layers = len(find_repeated_blocks(model))
+                if not n_layers:
+                    raise
         if dim is None:
             dim = max(embeddings, key=lambda m: m.num_embeddings).embedding_dim
         return cls(matmul_params=matmul_params, n_layers=n_layers, dim=dim)

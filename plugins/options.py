@@ -23,6 +23,7 @@ def validate_options(
     pipeline_schedule: str,
     virtual_stages: int | None,
     microbatches: int | None,
+    pipeline_tracer: bool,
     activation_checkpointing: str | None,
     cpu_offload: bool,
     async_checkpoint: str | None,
@@ -86,6 +87,14 @@ def validate_options(
         raise ValueError(
             f"cpu_offload=True needs sharded parameters and gradients, but zero_stage={zero_stage}. "
             "Use zero_stage=2 or 3 with cpu_offload."
+        )
+    if pipeline_tracer and (tensor_parallel_size != 1 or activation_checkpointing is not None):
+        raise ValueError(
+            "pipeline_tracer=True traces each block into a graph with its head counts fixed, which tensor "
+            "parallelism and activation checkpointing cannot rewrite, but tensor_parallel_size="
+            f"{tensor_parallel_size!r} and activation_checkpointing={activation_checkpointing!r}. Use "
+            "tensor_parallel_size=1 and no activation checkpointing with the tracer, or cut stages by structure "
+            "(pipeline_tracer=False)."
         )
     if pipeline_schedule == "zbv":
         raise NotImplementedError(

@@ -37,19 +37,23 @@ from torchmetrics import Metric
 
 from lightdist.plugins.metric_sync import load_metric_states, metric_states, metrics_of
 
-__all__ = ["PipelineStep", "StageClock", "TiedGradients"]
+__all__ = ["PipelineStep", "StageClock", "TiedGradients", "answering_model_calls", "model_call_of"]
 
 
 class TiedGradients:
     """Weights tied across the pipeline's ends (embedding and LM head): each end holds a copy, and the copies stay
     equal because their gradients are summed over ``group`` before every optimizer step."""
 
-    def __init__(self, modules: list[nn.Module], group: dist.ProcessGroup) -> None:
-        self.modules, self.group = modules, group
+    def __init__(self, module: nn.Module, names: list[str], group: dist.ProcessGroup) -> None:
+        self.module, self.names, self.group = module, names, group
+
+    def parameters(self) -> list[nn.Parameter]:
+        # Looked up at every step: FSDP swaps the parameters it manages in and out of their modules.
+        return [self.module.get_parameter(name) for name in self.names]
 
     def sum(self) -> None:
-        for module in self.modules:
-            grad = module.weight.grad
+        for parameter in self.parameters():
+            grad = parameter.grad
             dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
 
 
@@ -105,6 +109,47 @@ class _ModelCalled(Exception):
         self.args, self.kwargs = args, kwargs
 
 
+def model_call_of(
+    module: LightningModule, step: Callable[[Any], Any], batch: Any, metrics: dict[str, Metric]
+) -> tuple[tuple, dict]:
+    """The arguments ``step`` (the user's step on one batch) calls ``module`` with, learned by running the step up to
+    that call. What it logs or adds to ``metrics`` on the way is dropped."""
+
+    def called(*args: Any, **kwargs: Any) -> None:
+        raise _ModelCalled(args, kwargs)
+
+    with answering_model_calls(module, called, log=None, metrics=metrics):
+        try:
+            step(batch)
+        except _ModelCalled as call:
+            return call.args, call.kwargs
+    raise RuntimeError(
+        f"{type(module).__name__}'s step never called the model (`self(...)`), so pipeline parallelism "
+        "cannot tell what enters the first stage. Call the model from your step, e.g. `logits = self(x)`."
+    )
+
+
+@contextmanager
+def answering_model_calls(
+    module: LightningModule,
+    model_call: Callable[..., Any],
+    *,
+    log: Callable[..., None] | None,
+    metrics: dict[str, Metric],
+) -> Iterator[None]:
+    """Within, ``module``'s model calls return ``model_call``'s answer and its ``self.log`` calls go to ``log``; with
+    ``log=None`` they and what the step adds to ``metrics`` are dropped."""
+    saved_metrics = metric_states(metrics) if log is None else None
+    module.forward = model_call
+    module.log = log or (lambda *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        del module.forward, module.log
+        if saved_metrics is not None:
+            load_metric_states(metrics, saved_metrics)
+
+
 class PipelineStep:
     """Runs ``module``'s training, validation, test or predict step for one batch on this rank's pipeline stages."""
 
@@ -116,8 +161,11 @@ class PipelineStep:
         microbatches: int,
         *,
         tied: TiedGradients | None = None,
+        traced_input: Callable[[tuple[tuple, dict]], tuple] | None = None,
     ) -> None:
-        self.module, self.microbatches, self.tied = module, microbatches, tied
+        """``traced_input``: for stages cut by the tracer, the first stage's positional inputs from the model call's
+        (args, kwargs); without it, every stage gets the call as ``StageModel`` expects."""
+        self.module, self.microbatches, self.tied, self.traced_input = module, microbatches, tied, traced_input
         self.pp_group, self.last = stages[0].group, any(stage.is_last for stage in stages)
         self._last_stage = dist.get_world_size(self.pp_group) - 1  # the last stage is on the pp group's last rank
         # The schedule's own scaling divides every gradient by the microbatch count after each step, also those
@@ -183,7 +231,8 @@ class PipelineStep:
     def _run(self, run: Callable[..., Any], batch: Any, losses: list[Tensor], *, return_outputs: bool = False) -> Any:
         """``run`` (the schedule's step or eval) on ``batch``, whose model call the user's step reveals.
 
-        The call's arguments reach every stage, cut into microbatches: tensors along their first dimension.
+        The call's arguments reach every stage (the first only, when traced), cut into microbatches: tensors along
+        their first dimension.
         """
         call = self._model_call(batch)
         sizes: set[int] = set()
@@ -200,9 +249,14 @@ class PipelineStep:
                 f"microbatches={self.microbatches} does not divide the batch of {batch_size} on each "
                 "data-parallel rank. Choose microbatches that divide the per-rank batch size."
             )
+        if self.traced_input is None:
+            inputs, stage_kwargs = (), {"lightdist_model_call": call}
+        else:
+            inputs, stage_kwargs = self.traced_input(call), {}
         try:
             return run(
-                lightdist_model_call=call,
+                *inputs,
+                **stage_kwargs,
                 target=batch if self.last else None,
                 losses=losses if self.last else None,
                 return_outputs=return_outputs,
@@ -228,34 +282,16 @@ class PipelineStep:
         return (result["loss"] if isinstance(result, Mapping) else result) * self._loss_scale
 
     def _model_call(self, batch: Any) -> tuple[tuple, dict]:
-        """The arguments the user's step calls the model with, learned by running the step up to that call."""
-
-        def called(*args: Any, **kwargs: Any) -> None:
-            raise _ModelCalled(args, kwargs)
-
-        with self._calling_user_step(called, leave_no_trace=True):
-            try:
-                (self._step_for_input or self._step)(batch)
-            except _ModelCalled as call:
-                return call.args, call.kwargs
-        raise RuntimeError(
-            f"{type(self.module).__name__}'s step never called the model (`self(...)`), so pipeline parallelism "
-            "cannot tell what enters the first stage. Call the model from your step, e.g. `logits = self(x)`."
-        )
+        return model_call_of(self.module, self._step_for_input or self._step, batch, self.metrics)
 
     @contextmanager
     def _calling_user_step(self, model_call: Callable[..., Any], *, leave_no_trace: bool) -> Iterator[None]:
         """Within, the user's step gets ``model_call``'s answer from the model, and what it logs is kept for
         ``_share_logs_and_metrics``; with ``leave_no_trace``, what it logs and adds to metrics is dropped instead."""
-        saved_metrics = metric_states(self.metrics) if leave_no_trace else None
-        self.module.forward = model_call
-        self.module.log = (lambda *args, **kwargs: None) if leave_no_trace else self._record_log
-        try:
+        with answering_model_calls(
+            self.module, model_call, log=None if leave_no_trace else self._record_log, metrics=self.metrics
+        ):
             yield
-        finally:
-            del self.module.forward, self.module.log
-            if saved_metrics is not None:
-                load_metric_states(self.metrics, saved_metrics)
 
     def _record_log(self, name: str, value: Any, **options: Any) -> None:
         if isinstance(value, Metric):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
@@ -22,8 +22,10 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities import CombinedLoader
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed import DistBackendError, ReduceOp
 from torch.distributed.checkpoint.state_dict import (
@@ -61,10 +63,10 @@ from lightdist.pipeline import (
 )
 from lightdist.planner import GiB
 from lightdist.plugins.auto_layout import planned_layout
-from lightdist.plugins.metric_sync import reduce_metrics_over
+from lightdist.plugins.metric_sync import metrics_of, reduce_metrics_over
 from lightdist.plugins.non_finite import NonFiniteError, NonFinitePolicy, NonFiniteStep, check_finite
 from lightdist.plugins.options import PipelineSchedule, check_microbatch_rounds, validate_options
-from lightdist.plugins.pipeline import PipelineStep, TiedGradients
+from lightdist.plugins.pipeline import PipelineStep, TiedGradients, model_call_of
 from lightdist.plugins.rank_state import deal_samples_in_turn, gather_rank_states, take_rank_state
 from lightdist.restarts import nodes_started_by_torchrun, round_store
 from lightdist.rng import set_rng_state
@@ -76,12 +78,20 @@ from lightdist.storage import (
     read_metadata,
     resolve,
 )
-from lightdist.structure import DecoderStack, find_decoder_stack
+from lightdist.structure import DecoderStack, find_decoder_stack, find_repeated_blocks
 from lightdist.tensor_parallel import (
     TensorParallelStyle,
     apply_tensor_parallel,
     discover_plan,
     reorder_optimizer_state,
+)
+from lightdist.traced_pipeline import (
+    TracedInput,
+    adopt_parameters,
+    drop_other_stages,
+    tied_across_traced_stages,
+    trace_stages,
+    traced_stage_sizes,
 )
 
 if TYPE_CHECKING:
@@ -139,6 +149,11 @@ class ParallelStrategy(ModelParallelStrategy):
         pipeline_split: Decoder blocks per pipeline stage, e.g. ``[7, 9]`` (``pipeline_parallel_size *
             virtual_stages`` entries); default: balanced by parameter count,
             counting the embeddings on the first stage and the norm and LM head on the last.
+        pipeline_tracer: Cut pipeline stages with torch's tracer (``torch.distributed.pipelining.pipeline``) even
+            where the blocks are in one ``nn.ModuleList``: for blocks that hand on more than one stream
+            (``x, residual = block(x, residual)``) or take the hidden states by keyword. Models without a block
+            ``ModuleList`` are traced anyway. Traced stages take one microbatch shape, and do not combine with tensor
+            parallelism or activation checkpointing.
         activation_checkpointing: Recompute each block's activations in backward: ``"full"``, ``"selective"``
             (keep matmul and attention outputs) or ``None``.
         sequence_parallel: Under tensor parallelism, split activations between blocks along the sequence, so norms
@@ -178,6 +193,7 @@ class ParallelStrategy(ModelParallelStrategy):
         virtual_stages: int | None = None,
         microbatches: int | None = None,
         pipeline_split: list[int] | None = None,
+        pipeline_tracer: bool = False,
         activation_checkpointing: ActivationCheckpointing | None = None,
         sequence_parallel: bool = True,
         loss_parallel: bool = False,
@@ -197,6 +213,7 @@ class ParallelStrategy(ModelParallelStrategy):
             pipeline_schedule=pipeline_schedule,
             virtual_stages=virtual_stages,
             microbatches=microbatches,
+            pipeline_tracer=pipeline_tracer,
             activation_checkpointing=activation_checkpointing,
             cpu_offload=cpu_offload,
             async_checkpoint=async_checkpoint,
@@ -216,6 +233,7 @@ class ParallelStrategy(ModelParallelStrategy):
         self._virtual_stages = virtual_stages_of(pipeline_schedule, virtual_stages)
         self._microbatches = microbatches
         self._pipeline_split = pipeline_split
+        self._pipeline_tracer = pipeline_tracer
         self._pipeline_step: PipelineStep | None = None
         self._tied_names: list[tuple[str, str]] = []
         self._activation_checkpointing = activation_checkpointing
@@ -422,7 +440,7 @@ class ParallelStrategy(ModelParallelStrategy):
         counted_elsewhere: set[int] = set()
         tied = self._pipeline_step.tied if self._pipeline_step is not None else None
         if tied is not None and self.device_mesh["pp"].get_local_rank() != 0:  # the first stage counts tied weights
-            counted_elsewhere = {id(module.weight) for module in tied.modules}
+            counted_elsewhere = {id(parameter) for parameter in tied.parameters()}
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         return grad_norm_across_stages(
             parameters, self.device_mesh["pp"].get_group(), counted_elsewhere=counted_elsewhere
@@ -638,10 +656,22 @@ class ParallelStrategy(ModelParallelStrategy):
         check_same_model(url, self._whole_model_shapes(model_state["state_dict"]), strict=module.strict_loading)
         load_sharded(model_state, url)
         set_model_state_dict(module, model_state["state_dict"], options=StateDictOptions(strict=module.strict_loading))
+        # The whole model keeps a tied weight's optimizer state under the embedding's name; the last stage holds the
+        # weight under the head's.
+        aliases = self._tied_names_on_last_stage()
+        own = {name: alias for alias, name in aliases.items()}
         for index, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{index}"
             state = reorder_optimizer_state(module, get_optimizer_state_dict(module, optimizer), to_model_layout=True)
+            own_names = [group["params"] for group in state["param_groups"]]
+            state["state"] = {aliases.get(name, name): value for name, value in state["state"].items()}
             load_sharded({key: state}, url)
+            state["state"] = {own.get(name, name): value for name, value in state["state"].items()}
+            # The saved parameter groups are one rank's: under a pipeline they name that stage's parameters only.
+            # Their settings (betas, weight decay) hold for every rank; which parameters they hold is this rank's.
+            if len(state["param_groups"]) == len(own_names):
+                for group, names in zip(state["param_groups"], own_names, strict=True):
+                    group["params"] = names
             state = reorder_optimizer_state(module, state, to_model_layout=False)
             # Not strict: a ZeRO-1 rank holds state only for the parameters it owns, and dcp.load has already
             # checked that the checkpoint has every state this rank asked for.
@@ -809,7 +839,21 @@ class ParallelStrategy(ModelParallelStrategy):
                 f"{type(module).__name__} has no parameters to train. Create its layers in `__init__` or "
                 "`configure_model` before calling the Trainer."
             )
-        stack = find_decoder_stack(module)
+        try:
+            stack = find_decoder_stack(module)
+        except ValueError:
+            # Without a block list: data parallelism shards per repeated block, the pipeline is traced.
+            block_names = find_repeated_blocks(module)
+            if not block_names or self.layout.tp > 1 or self._activation_checkpointing is not None:
+                raise
+            if self.layout.pp > 1:
+                return self._parallelize_traced(module, block_names)
+            self._parallel_root = _ParallelRoot(module)
+            blocks = [module.get_submodule(name) for name in block_names]
+            self._shard(self._parallel_root, blocks, zero_stage=self._zero_stage)
+            return self._parallel_root
+        if self._pipeline_tracer and self.layout.pp > 1:
+            return self._parallelize_traced(module, [f"{stack.name}.{index}" for index in range(len(stack))])
         # The plan is found on the whole model, where the embedding and the head it splits by vocabulary are both seen.
         plan = discover_plan(module, stack, tp_plan=self._tp_plan) if self.layout.tp > 1 else {}
         stages: list[StageModel] = []
@@ -827,56 +871,116 @@ class ParallelStrategy(ModelParallelStrategy):
             )
         if self._activation_checkpointing is not None:
             apply_activation_checkpointing(stack, mode=self._activation_checkpointing)
-        shard = partial(
-            apply_data_parallel,
+        root = _ParallelRoot(module)
+        if not stages:
+            self._shard(root, stack.blocks, zero_stage=self._zero_stage)
+        else:
+            for stage in stages:
+                self._shard_stage(stage, stage.blocks)
+            self._pipeline_step = self._pipeline_step_over(module, stages)
+        self._parallel_root = root
+        return root
+
+    def _parallelize_traced(self, module: pl.LightningModule, block_names: list[str]) -> _ParallelRoot:
+        """Pipeline stages cut by torch's tracer, each data parallel on its own: for a model whose blocks are not in
+        one ``ModuleList``, or with ``pipeline_tracer``. Tensor parallelism and activation checkpointing need the
+        structure cut."""
+        count = self.layout.pp * self._virtual_stages
+        sizes = self._blocks_per_stage(
+            len(block_names), ", ".join(block_names), lambda: traced_stage_sizes(module, block_names, count)
+        )
+        example = self._example_model_call(module)
+        stages = trace_stages(module, example, block_names, sizes, self.root_device)
+        rank_zero_info(f"lightdist: pipeline stages of {type(module).__name__} cut by torch's tracer: {sizes} blocks.")
+        self._tied_names = tied_across_traced_stages(stages[0], stages[-1])
+        stages = [stages[index] for index in self._stages_of_this_rank()]
+        drop_other_stages(module, stages)
+        for stage in stages:
+            self._shard_stage(stage, [stage.get_submodule(name) for name in block_names if _has_submodule(stage, name)])
+        adopt_parameters(module, stages)
+        traced_input = TracedInput(module.forward, example, self._microbatches or self.layout.pp)
+        self._pipeline_step = self._pipeline_step_over(module, stages, traced_input=traced_input)
+        self._parallel_root = _ParallelRoot(module)
+        return self._parallel_root
+
+    def _example_model_call(self, module: pl.LightningModule) -> tuple[tuple, dict]:
+        """One microbatch of the model call the run's step makes, for the tracer: learned from the first batch of the
+        data the run starts on, on the device the parameters are on now."""
+        trainer = module.trainer
+        loop, step_name = {
+            TrainerFn.FITTING: (trainer.fit_loop, "training_step"),
+            TrainerFn.VALIDATING: (trainer.validate_loop, "validation_step"),
+            TrainerFn.TESTING: (trainer.test_loop, "test_step"),
+            TrainerFn.PREDICTING: (trainer.predict_loop, "predict_step"),
+        }[trainer.state.fn]
+        batch, _, _ = next(iter(CombinedLoader(loop._data_source.dataloader(), "sequential")))
+        batch = module._apply_batch_transfer_handler(batch, next(module.parameters()).device)
+        step = getattr(type(module), step_name)
+        args, kwargs = model_call_of(module, lambda whole: step(module, whole, 0), batch, metrics_of(module))
+        microbatches = self._microbatches or self.layout.pp
+        return apply_to_collection((args, kwargs), Tensor, lambda t: t[: max(len(t) // microbatches, 1)])
+
+    def _shard(self, root: nn.Module, blocks: Iterable[nn.Module], zero_stage: ZeroStage) -> None:
+        apply_data_parallel(
+            root,
+            blocks,
             dp_mesh=self.device_mesh["dp"],
+            zero_stage=zero_stage,
             param_dtype=self._mixed_precision_compute_dtype(),
             cpu_offload=self._cpu_offload,
         )
-        root = _ParallelRoot(module)
-        if not stages:
-            shard(root, stack.blocks, zero_stage=self._zero_stage)
-        else:
-            # Each stage is its own FSDP root, as the schedules expect: they gather, reshard and reduce per stage.
-            # ZeRO-3 gathers a stage's parameters once per step, not once per microbatch (torchtitan's policy under a
-            # pipeline); resharding after each forward also gives zero-bubble schedules wrong weight gradients.
-            for stage in stages:
-                shard(stage, stage.blocks, zero_stage=min(self._zero_stage, 2))
-            pp_mesh = self.device_mesh["pp"]
-            self._pipeline_step = PipelineStep(
-                module,
-                [
-                    PipelineStage(
-                        stage, index, self.layout.pp * self._virtual_stages, self.root_device, group=pp_mesh.get_group()
-                    )
-                    for stage, index in zip(stages, self._stages_of_this_rank(), strict=True)
-                ],
-                _SCHEDULES[self._pipeline_schedule],
-                self._microbatches or self.layout.pp,
-                tied=self._tied_across_stages(module),
+
+    def _shard_stage(self, stage: nn.Module, blocks: Iterable[nn.Module]) -> None:
+        # Each stage is its own FSDP root, as the schedules expect: they gather, reshard and reduce per stage.
+        # ZeRO-3 gathers a stage's parameters once per step, not once per microbatch (torchtitan's policy under a
+        # pipeline); resharding after each forward also gives zero-bubble schedules wrong weight gradients.
+        self._shard(stage, blocks, zero_stage=min(self._zero_stage, 2))
+
+    def _pipeline_step_over(
+        self,
+        module: pl.LightningModule,
+        stages: list[nn.Module],
+        traced_input: Callable[[tuple[tuple, dict]], tuple] | None = None,
+    ) -> PipelineStep:
+        pp_mesh = self.device_mesh["pp"]
+        count = self.layout.pp * self._virtual_stages
+        return PipelineStep(
+            module,
+            [
+                PipelineStage(stage, index, count, self.root_device, group=pp_mesh.get_group())
+                for stage, index in zip(stages, self._stages_of_this_rank(), strict=True)
+            ],
+            _SCHEDULES[self._pipeline_schedule],
+            self._microbatches or self.layout.pp,
+            tied=self._tied_across_stages(module),
+            traced_input=traced_input,
+        )
+
+    def _blocks_per_stage(self, blocks: int, where: str, balanced: Callable[[], list[int]]) -> list[int]:
+        """``pipeline_split``, or the ``balanced`` split, of ``blocks`` (found in ``where``) over every stage."""
+        pp = self.layout.pp
+        count = pp * self._virtual_stages
+        if count > blocks:
+            stages = f"pipeline_parallel_size={pp}"
+            if self._virtual_stages > 1:
+                stages += f" x virtual_stages={self._virtual_stages} = {count} stages"
+            raise ValueError(
+                f"{stages} exceeds the {blocks} blocks of {where}: every stage needs at least one. Choose "
+                f"fewer stages, at most {blocks}."
             )
-        self._parallel_root = root
-        return root
+        sizes = self._pipeline_split or balanced()
+        if len(sizes) != count or sum(sizes) != blocks or min(sizes) < 1:
+            raise ValueError(
+                f"pipeline_split={sizes} must give each of the {count} stages at least one block, {blocks} in all."
+            )
+        return sizes
 
     def _cut_pipeline_stages(
         self, module: pl.LightningModule, stack: DecoderStack
     ) -> tuple[DecoderStack, list[StageModel]]:
         """Keep this rank's stages of ``module``: their blocks, and the embeddings or the norm and head."""
-        pp = self.layout.pp
-        count = pp * self._virtual_stages
-        if count > len(stack):
-            stages = f"pipeline_parallel_size={pp}"
-            if self._virtual_stages > 1:
-                stages += f" x virtual_stages={self._virtual_stages} = {count} stages"
-            raise ValueError(
-                f"{stages} exceeds the {len(stack)} blocks of {stack.name}: every stage needs at least one. Choose "
-                f"fewer stages, at most {len(stack)}."
-            )
-        sizes = self._pipeline_split or stage_sizes(module, stack, count)
-        if len(sizes) != count or sum(sizes) != len(stack) or min(sizes) < 1:
-            raise ValueError(
-                f"pipeline_split={sizes} must give each of the {count} stages at least one block, {len(stack)} in all."
-            )
+        count = self.layout.pp * self._virtual_stages
+        sizes = self._blocks_per_stage(len(stack), stack.name, lambda: stage_sizes(module, stack, count))
         self._tied_names = tied_across_stages(module, stack)
         indices = self._stages_of_this_rank()
         ranges = {index: range(sum(sizes[:index]), sum(sizes[: index + 1])) for index in indices}
@@ -907,6 +1011,13 @@ class ParallelStrategy(ModelParallelStrategy):
         parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         torch.nn.utils.clip_grads_with_norm_(parameters, clip_val, self.gradient_norm(optimizer))
 
+    def _tied_names_on_last_stage(self) -> dict[str, str]:
+        """On the last stage's rank (not also the first's), the head's name of each weight tied across the pipeline's
+        ends, mapped to the embedding's."""
+        if self._pipeline_step is None or self.device_mesh["pp"].get_local_rank() != self.layout.pp - 1:
+            return {}
+        return {head: embedding for embedding, head in self._tied_names}
+
     def _tied_across_stages(self, module: pl.LightningModule) -> TiedGradients | None:
         """The weights this stage shares with the other end of the pipeline, and the group they are summed over.
 
@@ -921,7 +1032,7 @@ class ParallelStrategy(ModelParallelStrategy):
         if index not in (0, self.layout.pp - 1):
             return None
         names = [embedding if index == 0 else head for embedding, head in self._tied_names]
-        return TiedGradients([module.get_submodule(name) for name in names], group)
+        return TiedGradients(module, names, group)
 
     def _mixed_precision_compute_dtype(self) -> torch.dtype | None:
         if isinstance(self.precision_plugin, MixedPrecision):
@@ -960,6 +1071,14 @@ def _buffers_copied(module: nn.Module, state_dict: dict[str, Any]) -> dict[str, 
 
 def _identity(x: Tensor) -> Tensor:
     return x
+
+
+def _has_submodule(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _holds_parameters(module: nn.Module, name: str) -> bool:

@@ -132,8 +132,11 @@ def raised(fn: Callable, *args: Any) -> str:
 def split_over_two_ranks(
     model: nn.Module, *, sequence_parallel: bool, tp_plan: dict | None = None
 ) -> Iterator[nn.Module]:
-    """``model`` tensor parallel over this rank and one other, inside a gloo group that ends with the block."""
-    dist.init_process_group("gloo")
+    """``model`` tensor parallel over this rank and one other, in the running gloo group or one that ends with the
+    block."""
+    starts_group = not dist.is_initialized()
+    if starts_group:
+        dist.init_process_group("gloo")
     try:
         stack = find_decoder_stack(model)
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
@@ -141,4 +144,5 @@ def split_over_two_ranks(
         apply_tensor_parallel(model, stack, mesh, plan=plan, sequence_parallel=sequence_parallel)
         yield model
     finally:
-        dist.destroy_process_group()
+        if starts_group:
+            dist.destroy_process_group()

@@ -64,6 +64,10 @@ def test_under_torchrun_the_error_names_the_launchers_world_size(monkeypatch: py
             dict(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", microbatches=5),
             r"microbatches=5 must be a multiple of 2 rounds. Choose a multiple of 2",
         ),
+        (
+            dict(pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_tracer=True),
+            r"pipeline_tracer=True traces .* but tensor_parallel_size=2 and activation_checkpointing=None. Use",
+        ),
     ],
 )
 def test_invalid_options_are_rejected_when_the_strategy_is_built(options: dict, message: str) -> None:

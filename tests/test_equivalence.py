@@ -53,10 +53,16 @@ CASES = {
             model="gpt2_no_bias",
             accumulate_grad_batches=2,
         ),
+        # stages cut by torch's tracer: the Llama's on request, and a model with its blocks in an nn.Sequential and
+        # its head tied to the embedding
+        "pp2_traced_on_request_clip": Case(
+            strategy=dict(PP2, microbatches=4, pipeline_tracer=True), gradient_clip_val=0.1, validate=True
+        ),
+        "pp2_traced_sequential_blocks_tied_clip": Case(
+            strategy=dict(PP2, microbatches=4), model="sequential_blocks", gradient_clip_val=0.1, validate=True
+        ),
     },
     4: {
-        "zero0": Case(strategy=dict(zero_stage=0)),
-        "zero1": Case(strategy=dict(zero_stage=1)),
         "zero2_clip": Case(strategy=dict(zero_stage=2), gradient_clip_val=0.1),
         "zero3_accumulate_clip": Case(strategy=dict(zero_stage=3), accumulate_grad_batches=2, gradient_clip_val=0.1),
         "tp2_dp2_zero3_clip": Case(strategy=dict(TP2, zero_stage=3), gradient_clip_val=0.1, validate=True),
@@ -83,6 +89,12 @@ CASES = {
             strategy=dict(PP2, pipeline_schedule="interleaved_1f1b", microbatches=4)
         ),
         "pp2_dp2_hf_llama_zero1": Case(strategy=dict(PP2, zero_stage=1, microbatches=4), model="hf_llama"),
+        "pp2_dp2_traced_zero_bubble_zero3_accumulate_clip": Case(
+            strategy=dict(PP2, pipeline_schedule="zero_bubble", microbatches=4),
+            model="sequential_blocks",
+            accumulate_grad_batches=2,
+            gradient_clip_val=0.1,
+        ),
     },
     8: {  # 3D: pp=2 x dp=2 x tp=2
         "3d_clip": Case(strategy=dict(PP2, **TP2), gradient_clip_val=0.1, validate=True),

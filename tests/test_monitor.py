@@ -22,6 +22,7 @@ from lightdist.plugins.monitor import sequences_and_length
 from lightdist.throughput import DecoderFlops
 
 from multirank import run_ranks
+from training import SequentialBlocksLM
 
 BATCH, SEQ_LEN, PEAK_TFLOPS = 4, 32, 0.001
 
@@ -33,6 +34,10 @@ def test_decoder_flops_are_what_torch_counts_on_the_meta_device() -> None:
     counted = measure_flops(model, lambda: model(tokens), loss_fn=torch.Tensor.sum)
     estimated = DecoderFlops.of(model).per_token(seq_len=512) * tokens.numel()
     assert estimated == pytest.approx(counted, rel=0.01)
+
+
+def test_a_model_without_a_block_list_counts_its_repeated_blocks() -> None:
+    assert DecoderFlops.of(SequentialBlocksLM(learning_rate=1e-3, warmup_steps=2)).n_layers == 4  # an nn.Sequential
 
 
 class _RecordGradientNorms(Callback):

@@ -20,8 +20,6 @@ def two_epochs(batch_size: int = 4, model: str = "llama", **strategy) -> Case:
 
 RESUMES = {
     "zero0": (two_epochs(zero_stage=0), two_epochs(zero_stage=0)),
-    "zero1": (two_epochs(zero_stage=1), two_epochs(zero_stage=1)),  # each rank saves and loads its own share
-    "zero2": (two_epochs(zero_stage=2), two_epochs(zero_stage=2)),
     "zero3": (two_epochs(zero_stage=3), two_epochs(zero_stage=3)),
     "zero3_to_zero0": (two_epochs(zero_stage=3), two_epochs(zero_stage=0)),  # sharded on save, replicated on load
     # layers split across 2 ranks on save, whole on each of 2 data-parallel ranks on load: same global batch
@@ -33,6 +31,18 @@ RESUMES = {
     ),
     # two pipeline stages on save, each holding half the blocks; whole models on 2 data-parallel ranks on load
     "pp2_to_dp2": (two_epochs(pipeline_parallel_size=2), two_epochs(batch_size=2, zero_stage=3)),
+    # each stage's optimizer state and parameter groups back on the rank of that stage
+    "pp2": (two_epochs(pipeline_parallel_size=2), two_epochs(pipeline_parallel_size=2)),
+    # stages cut by the tracer (blocks in an nn.Sequential, the head tied to the embedding) on save or on load; data
+    # parallelism sharding per block of the nn.Sequential on the other side
+    "pp2_traced_to_dp2": (
+        two_epochs(model="sequential_blocks", pipeline_parallel_size=2),
+        two_epochs(model="sequential_blocks", batch_size=2, zero_stage=3),
+    ),
+    "dp2_to_pp2_traced": (
+        two_epochs(model="sequential_blocks", batch_size=2, zero_stage=1),
+        two_epochs(model="sequential_blocks", pipeline_parallel_size=2),
+    ),
     # optimizer state split by parameter on save, whole parameters split across 2 ranks on load
     "dp2_zero1_to_tp2": (two_epochs(batch_size=2, zero_stage=1), two_epochs(tensor_parallel_size=2, zero_stage=3)),
 }

@@ -4,9 +4,11 @@ tensor parallelism communicates what Megatron's layout needs, counted with torch
 from __future__ import annotations
 
 from collections import Counter
+from functools import cache
 
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -49,14 +51,26 @@ def layouts(strategies: list[dict]) -> list[dict[str, set[tuple]]]:
     return seen
 
 
+@cache
+def layouts_under() -> dict[str, dict[str, set[tuple]]]:
+    """The layouts of tp=2 by default (sequence parallel), without sequence parallelism, and with loss parallelism."""
+    strategies = {
+        "default": {},
+        "no_sequence_parallel": dict(sequence_parallel=False),
+        "loss_parallel": dict(loss_parallel=True),
+    }
+    seen, _ = run_ranks(2, layouts, list(strategies.values()))
+    return dict(zip(strategies, seen, strict=True))
+
+
 def test_norms_see_half_the_sequence_with_sequence_parallel() -> None:
-    (with_sp, without_sp), _ = run_ranks(2, layouts, [dict(sequence_parallel=True), dict(sequence_parallel=False)])
+    with_sp, without_sp = layouts_under()["default"], layouts_under()["no_sequence_parallel"]
     assert with_sp["norm_inputs"] == {((Shard(dim=1),), (4, 16, 64))}  # batch 4, 32 tokens over 2 ranks, width 64
     assert without_sp["norm_inputs"] == {((Replicate(),), (4, 32, 64))}  # every rank, the whole sequence
 
 
 def test_loss_parallel_never_gathers_the_logits() -> None:
-    (gathered, split), _ = run_ranks(2, layouts, [{}, dict(loss_parallel=True)])
+    gathered, split = layouts_under()["default"], layouts_under()["loss_parallel"]
     assert gathered["logits"] == {("local", (4, 32, 64))}  # the whole vocabulary of 64 on every rank
     assert split["logits"] == {((Shard(dim=2),), (4, 32, 32))}  # half of it: the loss is computed from that
 
@@ -97,12 +111,28 @@ def count_collectives(n_layers: int, sequence_parallel: bool) -> tuple[Counter, 
     )
 
 
-def per_block(sequence_parallel: bool) -> tuple[Counter, Counter]:
-    """What two more blocks cost, halved: the embedding's and head's collectives cancel out. One group of processes
-    per model: ``split_over_two_ranks`` starts and ends its own process group."""
-    (forward4, backward4), _ = run_ranks(2, count_collectives, 4, sequence_parallel)
-    (forward2, backward2), _ = run_ranks(2, count_collectives, 2, sequence_parallel)
-    return _halved(forward4 - forward2), _halved(backward4 - backward2)
+def counted_in_one_group(models: list[tuple[int, bool]]) -> list[tuple[Counter, Counter]]:
+    """``count_collectives`` of each (n_layers, sequence_parallel), in one process group that each split joins."""
+    dist.init_process_group("gloo")
+    try:
+        return [count_collectives(n_layers, sequence_parallel) for n_layers, sequence_parallel in models]
+    finally:
+        dist.destroy_process_group()
+
+
+@cache
+def per_block() -> dict[bool, tuple[Counter, Counter]]:
+    """What two more blocks cost, with and without sequence parallelism, halved: the embedding's and head's
+    collectives cancel out."""
+    counts, _ = run_ranks(2, counted_in_one_group, [(4, True), (2, True), (4, False), (2, False)])
+    return {
+        True: _two_more_blocks_halved(*counts[:2]),
+        False: _two_more_blocks_halved(*counts[2:]),
+    }
+
+
+def _two_more_blocks_halved(four: tuple[Counter, Counter], two: tuple[Counter, Counter]) -> tuple[Counter, Counter]:
+    return tuple(_halved(with_four - with_two) for with_four, with_two in zip(four, two, strict=True))
 
 
 def _halved(counts: Counter) -> Counter:
@@ -112,13 +142,13 @@ def _halved(counts: Counter) -> Counter:
 def test_sequence_parallel_communicates_as_megatron_does() -> None:
     # Per block and step: attention and MLP each all-gather the sequence in and reduce-scatter it out, forward and
     # backward; together the volume of 4 all-reduces of batch x sequence x hidden.
-    forward, backward = per_block(sequence_parallel=True)
+    forward, backward = per_block()[True]
     assert forward == Counter(all_gather_into_tensor=2, reduce_scatter_tensor=2)
     assert backward == Counter(all_gather_into_tensor=2, reduce_scatter_tensor=2)
 
 
 def test_tensor_parallel_without_sequence_parallel_all_reduces_twice_per_block_forward() -> None:
-    forward, backward = per_block(sequence_parallel=False)
+    forward, backward = per_block()[False]
     assert forward == Counter(all_reduce=2)
     # Each column-parallel projection (q, k, v, gate, up) all-reduces its own input gradient: 5, where Megatron
     # needs 2. Sequence parallelism (the default) does not pay this.

@@ -84,6 +84,24 @@ class UnknownFamilyLM(CausalLM):
         return self.unembed(self.final_norm(x))
 
 
+class SequentialBlocksLM(CausalLM):
+    """A user's LLM in the style of many tutorials: blocks in an ``nn.Sequential``, learned positions, the LM head tied
+    to the embedding. With no ``ModuleList`` to loop over, pipeline stages are cut by torch's tracer."""
+
+    def __init__(self, learning_rate: float, warmup_steps: int, weight_decay: float = 0.1) -> None:
+        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, warmup_steps=warmup_steps)
+        self.embed, self.positions = nn.Embedding(64, 64), nn.Embedding(64, 64)
+        self.blocks = nn.Sequential(*(_Block(64) for _ in range(4)))
+        self.final_norm = nn.LayerNorm(64)
+        self.unembed = nn.Linear(64, 64, bias=False)
+        self.unembed.weight = self.embed.weight
+        nn.init.normal_(self.embed.weight, std=0.02)  # the head's scale
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
+        return self.unembed(self.final_norm(self.blocks(x)))
+
+
 HF_TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4)
 MODELS = {
     "llama": partial(Llama, "tiny"),
@@ -95,6 +113,7 @@ MODELS = {
     "gpt2_no_bias": partial(GPT2, "tiny", config={"bias": False}),
     "gpt2_dropout": partial(GPT2, "tiny", config={"dropout": 0.1}),  # each rank draws its own masks
     "unknown_family": UnknownFamilyLM,
+    "sequential_blocks": SequentialBlocksLM,
     "hf_llama": partial(HuggingFaceCausalLM, config=dict(HF_TINY, model_type="llama", num_key_value_heads=2)),
     "hf_qwen2": partial(HuggingFaceCausalLM, config=dict(HF_TINY, model_type="qwen2", num_key_value_heads=2)),
     # Biases on the row-parallel layers, learned positions, tied embeddings; no dropout, so runs are deterministic.

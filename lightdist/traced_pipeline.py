@@ -1,0 +1,177 @@
+"""Pipeline stages for a model whose blocks are not in one ``ModuleList``: cut by ``torch.distributed.pipelining``'s
+tracer.
+
+``lightdist.pipeline`` runs the model's own forward on every stage, which needs the blocks in a list the forward
+loops over. A model that calls its blocks one by one (``self.first(x)``, ``self.second(x)``) or through an
+``nn.Sequential`` is traced instead: ``torch.export`` records its forward on one example microbatch, and ``pipeline()``
+cuts the graph before the first block of each stage. A stage module then runs the recorded operations, and hands the
+next stage every value it needs, not only the hidden states.
+
+The stage modules hold the model's own ``Parameter`` objects under the model's names, so the optimizer, checkpoints
+and the weights tied across the ends are keyed as without a pipeline. The trace fixes the shapes of the model's
+inputs to the example's: the stages hand each other sizes only as tensors, so every microbatch must have the shape the
+trace saw.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, fx, nn
+from torch.distributed.pipelining import SplitPoint, pipeline
+from torch.distributed.pipelining._IR import _modify_graph_op_device
+
+from lightdist.pipeline import balanced_split
+
+__all__ = [
+    "TracedInput",
+    "adopt_parameters",
+    "drop_other_stages",
+    "tied_across_traced_stages",
+    "trace_stages",
+    "traced_stage_sizes",
+]
+
+
+def traced_stage_sizes(model: nn.Module, block_names: list[str], stages: int) -> list[int]:
+    """Blocks per stage, balanced by parameters: embeddings weigh on the first stage, what else is outside the blocks
+    on the last."""
+    blocks = [model.get_submodule(name) for name in block_names]
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()} - in_blocks
+    outside = [p for p in model.parameters() if id(p) not in in_blocks]
+    first = sum(p.numel() for p in outside if id(p) in embeddings)
+    last = sum(p.numel() for p in outside if id(p) not in embeddings)
+    costs = [sum(p.numel() for p in block.parameters()) for block in blocks]
+    return balanced_split(costs, stages, first_extra=first, last_extra=last)
+
+
+def trace_stages(
+    model: nn.Module,
+    example: tuple[tuple, dict],
+    block_names: list[str],
+    sizes: list[int],
+    device: torch.device,
+) -> list[fx.GraphModule]:
+    """Every stage of ``model``, cut before the first block of each stage but the first (``sizes`` blocks each).
+
+    ``example``: one microbatch's (args, kwargs) of the model call. Raises a ``ValueError`` saying what to change when
+    ``torch.export`` cannot record the forward.
+    """
+    starts = [block_names[sum(sizes[:stage])] for stage in range(1, len(sizes))]
+    args, kwargs = example
+    try:
+        pipe = pipeline(model, args, kwargs, split_spec=dict.fromkeys(starts, SplitPoint.BEGINNING))
+    except Exception as error:
+        raise ValueError(
+            f"Could not cut {type(model).__name__} into pipeline stages. Its blocks ({', '.join(block_names)}) are not "
+            "in one nn.ModuleList, so lightdist traced its forward with torch.export, which failed: "
+            f"{str(error).splitlines()[0]} Keep the transformer blocks in one nn.ModuleList that forward loops over "
+            "(for example `for block in self.layers: x = block(x)`), or make forward traceable by torch.export (no "
+            "data-dependent control flow, no graph breaks)."
+        ) from error
+    finally:
+        for name in starts:  # pipeline() leaves its split markers on the blocks
+            block = model.get_submodule(name)
+            del block.forward, block._orig_forward
+    stages = [pipe.get_stage_module(index) for index in range(pipe.num_stages)]
+    if len(stages) != len(sizes):
+        raise ValueError(
+            f"Tracing {type(model).__name__} gave {len(stages)} pipeline stages where {len(sizes)} were asked for: its "
+            f"forward does not call the blocks {', '.join(starts)} in order. Call each block once, in order."
+        )
+    for stage in stages:
+        _modify_graph_op_device(stage, device)  # the tracer records the example's device in factory calls
+        _drop_uncalled(stage)
+        _use_model_parameters(model, stage)
+    return stages
+
+
+def _drop_uncalled(stage: fx.GraphModule) -> None:
+    """Remove the submodules the stage never calls: the tracer attaches a weight's every user (the LM head to the
+    first stage, for an embedding tied to it), where the stage must hold only what it computes with."""
+    used = {node.target.split(".")[0] for node in stage.graph.nodes if node.op in ("call_module", "get_attr")}
+    for name, _ in list(stage.named_children()):
+        if name not in used:
+            delattr(stage, name)
+
+
+def _use_model_parameters(model: nn.Module, stage: nn.Module) -> None:
+    """Point the stage at the model's own ``Parameter`` under each name. The tracer keeps them for untied weights but
+    copies a tied one to every user but one, which would leave the copies training apart."""
+    for name, parameter in list(stage.named_parameters(remove_duplicate=False)):
+        own = model.get_parameter(name)
+        if parameter is not own:
+            owner, _, leaf = name.rpartition(".")
+            setattr(stage.get_submodule(owner), leaf, own)
+
+
+def drop_other_stages(model: nn.Module, stages: list[nn.Module]) -> None:
+    """Remove from ``model`` each parameter that none of ``stages`` (this rank's) holds under the same name, so
+    ``model.parameters()`` and its state dict hold this rank's share, as they do for a pipeline cut by structure.
+
+    A weight tied across the ends stays on each end's rank under that stage's name only (the embedding's on the
+    first, the head's on the last). The model's own forward no longer runs; the stages do.
+    """
+    for name, parameter in list(model.named_parameters(remove_duplicate=False)):
+        if not any(_holds(stage, name, parameter) for stage in stages):
+            owner, _, leaf = name.rpartition(".")
+            delattr(model.get_submodule(owner), leaf)
+
+
+def _holds(stage: nn.Module, name: str, parameter: nn.Parameter) -> bool:
+    try:
+        return stage.get_parameter(name) is parameter
+    except AttributeError:
+        return False
+
+
+def adopt_parameters(model: nn.Module, stages: list[nn.Module]) -> None:
+    """Give ``model`` the stages' parameters under their names: sharding replaces a stage's parameters (FSDP's
+    DTensors), and the optimizer and checkpoints read them from the model."""
+    for stage in stages:
+        for name, parameter in stage.named_parameters():
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, parameter)
+
+
+def tied_across_traced_stages(first: nn.Module, last: nn.Module) -> list[tuple[str, str]]:
+    """(first stage's name, last stage's name) of each parameter both ends use: an embedding tied to the LM head."""
+    names_in_last = {id(p): name for name, p in last.named_parameters()}
+    return [(name, names_in_last[id(p)]) for name, p in first.named_parameters() if id(p) in names_in_last]
+
+
+class TracedInput:
+    """The first traced stage's inputs from a model call (args, kwargs): positional, since torch's schedules hand
+    keyword arguments to every stage, and checked against the shapes the trace fixed."""
+
+    def __init__(self, forward: Callable[..., Any], example: tuple[tuple, dict], microbatches: int) -> None:
+        self.forward, self.microbatches = forward, microbatches
+        self.shapes = [tuple(t.shape) for t in self._positional(example) if isinstance(t, Tensor)]
+
+    def __call__(self, call: tuple[tuple, dict]) -> tuple:
+        inputs = self._positional(call)
+        shapes = [(t.shape[0] // self.microbatches, *t.shape[1:]) for t in inputs if isinstance(t, Tensor)]
+        if shapes != self.shapes:
+            raise ValueError(
+                f"Pipeline stages cut by tracing run the microbatch shapes the trace saw, {self.shapes}, but this "
+                f"batch's microbatches are {shapes}. Give every batch one shape (for example drop_last=True in the "
+                "DataLoader, one sequence length), or keep the blocks in one nn.ModuleList, whose stages take any "
+                "shape."
+            )
+        return inputs
+
+    def _positional(self, call: tuple[tuple, dict]) -> tuple:
+        args, kwargs = call
+        if not kwargs:
+            return args
+        bound = inspect.signature(self.forward).bind(*args, **kwargs)
+        if bound.kwargs:
+            raise ValueError(
+                "Pipeline stages cut by tracing take the model's inputs by position, but forward takes "
+                f"{', '.join(bound.kwargs)} by keyword only. Make them positional parameters of forward."
+            )
+        return bound.args

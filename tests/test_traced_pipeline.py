@@ -1,0 +1,129 @@
+"""Pipeline stages cut by torch's tracer, for models whose blocks are not in one ModuleList (training through them is
+in test_equivalence)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from lightdist.structure import find_repeated_blocks
+from lightdist.traced_pipeline import TracedInput, drop_other_stages, trace_stages, traced_stage_sizes
+
+from training import SequentialBlocksLM
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.proj = nn.LayerNorm(16), nn.Linear(16, 16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.proj(self.norm(x))
+
+
+class BlocksAsAttributes(nn.Module):
+    """Blocks called one by one, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.first, self.second, self.third = Block(), Block(), Block()
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(self.third(self.second(self.first(self.embed(tokens)))))
+
+
+def test_blocks_are_the_outermost_repeated_modules() -> None:
+    # nn.Linear repeats more often (inside every block, and the head), but some sit inside blocks.
+    assert find_repeated_blocks(BlocksAsAttributes()) == ["first", "second", "third"]
+    assert find_repeated_blocks(SequentialBlocksLM(1e-3, 2)) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert find_repeated_blocks(nn.Sequential(nn.Linear(4, 4))) == []
+
+
+def test_traced_stages_compute_the_model_and_share_its_tied_weight() -> None:
+    model = SequentialBlocksLM(1e-3, 2)
+    tokens = torch.randint(0, 64, (2, 16))
+    blocks = find_repeated_blocks(model)
+    sizes = traced_stage_sizes(model, blocks, 2)
+    assert sizes == [2, 2]
+
+    first, last = trace_stages(model, ((tokens,), {}), blocks, sizes, torch.device("cpu"))
+
+    torch.testing.assert_close(last(first(tokens)), model(tokens))
+    # Both ends train the model's one embedding weight, which the LM head is tied to.
+    assert first.get_parameter("embed.weight") is model.embed.weight
+    assert last.get_parameter("unembed.weight") is model.embed.weight
+    assert not hasattr(first, "unembed")  # the first stage does not compute the head
+    assert {name for name, _ in last.named_parameters()} == {
+        *(f"blocks.{i}.{name}" for i in (2, 3) for name, _ in model.blocks[i].named_parameters()),
+        "final_norm.weight",
+        "final_norm.bias",
+        "unembed.weight",
+    }
+
+    drop_other_stages(model, [last])
+    assert {name for name, _ in model.named_parameters()} == {name for name, _ in last.named_parameters()}
+
+
+class BranchesOnData(BlocksAsAttributes):
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.first(self.embed(tokens))
+        if x.sum() > 0:  # data-dependent control flow: torch.export cannot record it
+            x = self.second(x)
+        return self.head(self.third(x))
+
+
+def test_a_model_neither_cut_can_split_says_what_to_change() -> None:
+    model, tokens = BranchesOnData(), torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"Keep the transformer blocks in one nn\.ModuleList") as raised:
+        trace_stages(model, ((tokens,), {}), ["first", "second", "third"], [1, 2], torch.device("cpu"))
+    assert "traced its forward with torch.export, which failed" in str(raised.value)
+    assert "forward" not in model.second.__dict__  # the tracer's split markers are removed again
+
+
+def test_traced_stages_take_the_traced_shape_only() -> None:
+    traced_input = TracedInput(BlocksAsAttributes().forward, ((torch.zeros(2, 8),), {}), microbatches=2)
+
+    assert traced_input(((torch.zeros(4, 8),), {}))[0].shape == (4, 8)
+    assert traced_input(((), {"tokens": torch.zeros(4, 8)}))[0].shape == (4, 8)  # keywords become positions
+    with pytest.raises(ValueError, match=r"microbatches are \[\(2, 16\)\]. Give every batch one shape"):
+        traced_input(((torch.zeros(4, 16),), {}))
+
+
+class TwoStreamBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        residual = x + residual
+        return self.proj(residual), residual
+
+
+class TwoStreamLM(nn.Module):
+    """Its blocks hand on the hidden states and a residual stream, as Mamba's do: a structure cut hands on one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
+        self.layers = nn.ModuleList(TwoStreamBlock() for _ in range(4))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens)
+        residual = torch.zeros_like(x)
+        for block in self.layers:
+            x, residual = block(x, residual)
+        return self.head(x + residual)
+
+
+def test_the_tracer_hands_every_stream_to_the_next_stage() -> None:
+    model, tokens = TwoStreamLM(), torch.randint(0, 32, (2, 8))
+    blocks = [f"layers.{index}" for index in range(4)]
+
+    first, last = trace_stages(model, ((tokens,), {}), blocks, [2, 2], torch.device("cpu"))
+
+    handed_on = first(tokens)
+    assert len(handed_on) == 2  # the hidden states and the residual stream
+    torch.testing.assert_close(last(*handed_on), model(tokens))
