@@ -16,6 +16,7 @@ from lightdist.plugins import ParallelStrategy
 from lightdist.structure import find_decoder_stack
 
 from multirank import raised, run_each, run_ranks
+from training import TwoStreamLM
 
 
 def test_world_size_must_equal_the_product_of_the_degrees() -> None:
@@ -147,40 +148,17 @@ def test_pipeline_needs_model_arguments_with_the_batch_first(errors_on_two_ranks
     assert re.search(message, errors_on_two_ranks["shared_mask"])
 
 
-class _TwoStreamBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = x + residual
-        return self.proj(residual), residual
-
-
-class _TwoStreamLM(nn.Module):
-    """Its blocks pass the hidden states and a residual stream on, as Mamba's do."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
-        self.layers = nn.ModuleList(_TwoStreamBlock() for _ in range(2))
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        residual = torch.zeros_like(x)
-        for block in self.layers:
-            x, residual = block(x, residual)
-        return self.head(x + residual)
-
-
 def test_pipeline_refuses_blocks_that_pass_two_streams_on() -> None:
-    model = _TwoStreamLM()
+    model = TwoStreamLM()
     stack = keep_stages(model, find_decoder_stack(model), {0}, first=True, last=False)
     first_stage = StageModel(model, stack, list(stack.blocks), first=True, last=False)
     with pytest.raises(
         ValueError, match=r"_TwoStreamBlock returns 2 tensors shaped like its hidden states \(2, 4, 8\)"
-    ):
+    ) as raised_error:
         first_stage(lightdist_model_call=((torch.zeros(2, 4, dtype=torch.long),), {}))
+    assert "cut the stages with torch's tracer, which hands on every value (pipeline_tracer=True)" in str(
+        raised_error.value
+    )
 
 
 class _KeywordBlock(nn.Module):

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from lightdist.structure import find_repeated_blocks
 from lightdist.traced_pipeline import TracedInput, drop_other_stages, trace_stages, traced_stage_sizes
 
-from training import SequentialBlocksLM
+from training import SequentialBlocksLM, TwoStreamLM
 
 
 class Block(nn.Module):
@@ -92,34 +92,8 @@ def test_traced_stages_take_the_traced_shape_only() -> None:
         traced_input(((torch.zeros(4, 16),), {}))
 
 
-class TwoStreamBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(16, 16)
-
-    def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-        residual = x + residual
-        return self.proj(residual), residual
-
-
-class TwoStreamLM(nn.Module):
-    """Its blocks hand on the hidden states and a residual stream, as Mamba's do: a structure cut hands on one."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
-        self.layers = nn.ModuleList(TwoStreamBlock() for _ in range(4))
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        x = self.embed(tokens)
-        residual = torch.zeros_like(x)
-        for block in self.layers:
-            x, residual = block(x, residual)
-        return self.head(x + residual)
-
-
 def test_the_tracer_hands_every_stream_to_the_next_stage() -> None:
-    model, tokens = TwoStreamLM(), torch.randint(0, 32, (2, 8))
+    model, tokens = TwoStreamLM(), torch.randint(0, 16, (2, 8))
     blocks = [f"layers.{index}" for index in range(4)]
 
     first, last = trace_stages(model, ((tokens,), {}), blocks, [2, 2], torch.device("cpu"))

@@ -102,6 +102,33 @@ class SequentialBlocksLM(CausalLM):
         return self.unembed(self.final_norm(self.blocks(x)))
 
 
+class _TwoStreamBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        residual = x + residual
+        return self.proj(residual), residual
+
+
+class TwoStreamLM(nn.Module):
+    """Its blocks hand on the hidden states and a residual stream, as Mamba's do: a pipeline stage cut by structure
+    hands the next stage one tensor, a traced one every value."""
+
+    def __init__(self, vocab: int = 16, width: int = 8, blocks: int = 4) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab, width), nn.Linear(width, vocab)
+        self.layers = nn.ModuleList(_TwoStreamBlock(width) for _ in range(blocks))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens)
+        residual = torch.zeros_like(x)
+        for block in self.layers:
+            x, residual = block(x, residual)
+        return self.head(x + residual)
+
+
 HF_TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4)
 MODELS = {
     "llama": partial(Llama, "tiny"),
