@@ -6,14 +6,14 @@ tensor parallelism and before FSDP, the order torchtitan uses: FSDP's hooks then
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import partial
 from typing import Literal
 
 import torch
+from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-from lightdist.structure import DecoderStack
 
 __all__ = ["ActivationCheckpointing", "apply_activation_checkpointing"]
 
@@ -36,13 +36,14 @@ def _save_compute_heavy_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OUTPUTS_OF else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_activation_checkpointing(stack: DecoderStack, *, mode: ActivationCheckpointing) -> None:
-    """Recompute each block's activations in backward: all of them (``"full"``) or only the cheap ones."""
+def apply_activation_checkpointing(blocks: Iterable[nn.Module], *, mode: ActivationCheckpointing) -> None:
+    """Recompute each block's activations in backward: all of them (``"full"``) or only the cheap ones. ``blocks``:
+    a decoder stack's, or a traced pipeline stage's."""
     if mode == "full":
         context_fn = None
     elif mode == "selective":
         context_fn = partial(create_selective_checkpoint_contexts, _save_compute_heavy_outputs)
     else:
         raise ValueError(f"activation_checkpointing={mode!r} is not one of None, 'full', 'selective'.")
-    for block in stack.blocks:
+    for block in blocks:
         checkpoint(block, context_fn=context_fn)

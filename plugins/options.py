@@ -88,13 +88,11 @@ def validate_options(
             f"cpu_offload=True needs sharded parameters and gradients, but zero_stage={zero_stage}. "
             "Use zero_stage=2 or 3 with cpu_offload."
         )
-    if pipeline_tracer and (tensor_parallel_size != 1 or activation_checkpointing is not None):
+    if pipeline_tracer and tensor_parallel_size != 1:
         raise ValueError(
             "pipeline_tracer=True traces each block into a graph with its head counts fixed, which tensor "
-            "parallelism and activation checkpointing cannot rewrite, but tensor_parallel_size="
-            f"{tensor_parallel_size!r} and activation_checkpointing={activation_checkpointing!r}. Use "
-            "tensor_parallel_size=1 and no activation checkpointing with the tracer, or cut stages by structure "
-            "(pipeline_tracer=False)."
+            f"parallelism cannot rewrite, but tensor_parallel_size={tensor_parallel_size!r}. Use "
+            "tensor_parallel_size=1 with the tracer, or cut stages by structure (pipeline_tracer=False)."
         )
     if pipeline_schedule == "zbv":
         raise NotImplementedError(

@@ -153,7 +153,7 @@ class ParallelStrategy(ModelParallelStrategy):
             where the blocks are in one ``nn.ModuleList``: for blocks that hand on more than one stream
             (``x, residual = block(x, residual)``) or take the hidden states by keyword. Models without a block
             ``ModuleList`` are traced anyway. Traced stages take one microbatch shape, and do not combine with tensor
-            parallelism or activation checkpointing.
+            parallelism.
         activation_checkpointing: Recompute each block's activations in backward: ``"full"``, ``"selective"``
             (keep matmul and attention outputs) or ``None``.
         sequence_parallel: Under tensor parallelism, split activations between blocks along the sequence, so norms
@@ -844,12 +844,13 @@ class ParallelStrategy(ModelParallelStrategy):
         except ValueError:
             # Without a block list: data parallelism shards per repeated block, the pipeline is traced.
             block_names = find_repeated_blocks(module)
-            if not block_names or self.layout.tp > 1 or self._activation_checkpointing is not None:
+            if not block_names or self.layout.tp > 1:
                 raise
             if self.layout.pp > 1:
                 return self._parallelize_traced(module, block_names)
             self._parallel_root = _ParallelRoot(module)
             blocks = [module.get_submodule(name) for name in block_names]
+            self._checkpoint_activations(blocks)
             self._shard(self._parallel_root, blocks, zero_stage=self._zero_stage)
             return self._parallel_root
         if self._pipeline_tracer and self.layout.pp > 1:
@@ -869,8 +870,7 @@ class ParallelStrategy(ModelParallelStrategy):
                 sequence_parallel=self._sequence_parallel,
                 loss_parallel=self._loss_parallel,
             )
-        if self._activation_checkpointing is not None:
-            apply_activation_checkpointing(stack, mode=self._activation_checkpointing)
+        self._checkpoint_activations(stack.blocks)
         root = _ParallelRoot(module)
         if not stages:
             self._shard(root, stack.blocks, zero_stage=self._zero_stage)
@@ -883,8 +883,7 @@ class ParallelStrategy(ModelParallelStrategy):
 
     def _parallelize_traced(self, module: pl.LightningModule, block_names: list[str]) -> _ParallelRoot:
         """Pipeline stages cut by torch's tracer, each data parallel on its own: for a model whose blocks are not in
-        one ``ModuleList``, or with ``pipeline_tracer``. Tensor parallelism and activation checkpointing need the
-        structure cut."""
+        one ``ModuleList``, or with ``pipeline_tracer``. Tensor parallelism needs the structure cut."""
         count = self.layout.pp * self._virtual_stages
         sizes = self._blocks_per_stage(
             len(block_names), ", ".join(block_names), lambda: traced_stage_sizes(module, block_names, count)
@@ -896,7 +895,9 @@ class ParallelStrategy(ModelParallelStrategy):
         stages = [stages[index] for index in self._stages_of_this_rank()]
         drop_other_stages(module, stages)
         for stage in stages:
-            self._shard_stage(stage, [stage.get_submodule(name) for name in block_names if _has_submodule(stage, name)])
+            blocks = [stage.get_submodule(name) for name in block_names if _has_submodule(stage, name)]
+            self._checkpoint_activations(blocks)
+            self._shard_stage(stage, blocks)
         adopt_parameters(module, stages)
         traced_input = TracedInput(module.forward, example, self._microbatches or self.layout.pp)
         self._pipeline_step = self._pipeline_step_over(module, stages, traced_input=traced_input)
@@ -919,6 +920,10 @@ class ParallelStrategy(ModelParallelStrategy):
         args, kwargs = model_call_of(module, lambda whole: step(module, whole, 0), batch, metrics_of(module))
         microbatches = self._microbatches or self.layout.pp
         return apply_to_collection((args, kwargs), Tensor, lambda t: t[: max(len(t) // microbatches, 1)])
+
+    def _checkpoint_activations(self, blocks: Iterable[nn.Module]) -> None:
+        if self._activation_checkpointing is not None:
+            apply_activation_checkpointing(blocks, mode=self._activation_checkpointing)
 
     def _shard(self, root: nn.Module, blocks: Iterable[nn.Module], zero_stage: ZeroStage) -> None:
         apply_data_parallel(

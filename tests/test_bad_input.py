@@ -67,7 +67,7 @@ def test_under_torchrun_the_error_names_the_launchers_world_size(monkeypatch: py
         ),
         (
             dict(pipeline_parallel_size=2, tensor_parallel_size=2, pipeline_tracer=True),
-            r"pipeline_tracer=True traces .* but tensor_parallel_size=2 and activation_checkpointing=None. Use",
+            r"pipeline_tracer=True traces .* but tensor_parallel_size=2. Use tensor_parallel_size=1 with the tracer",
         ),
     ],
 )
@@ -170,7 +170,7 @@ class _KeywordBlock(nn.Module):
         return hidden_states + self.proj(hidden_states)
 
 
-class _KeywordBlocksLM(LightningModule):
+class _KeywordBlocksLM(nn.Module):
     """Calls its blocks by keyword only, so a pipeline stage cannot hand them the previous stage's output."""
 
     def __init__(self) -> None:
@@ -184,24 +184,17 @@ class _KeywordBlocksLM(LightningModule):
             x = block(hidden_states=x)
         return self.head(x)
 
-    def training_step(self, batch, batch_idx):
-        return self(batch).sum()
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-def fit_keyword_blocks_in_a_pipeline() -> None:
-    strategy = ParallelStrategy(pipeline_parallel_size=2)
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False)
-    trainer.fit(_KeywordBlocksLM(), train_dataloaders=DataLoader(torch.zeros(4, 8, dtype=torch.long), batch_size=4))
-
-
-@pytest.mark.multirank
 def test_pipeline_needs_blocks_that_take_the_hidden_states_first() -> None:
-    # Only the second stage sees the call, while the first waits for it: these ranks cannot go on to other fits.
-    with pytest.raises(RuntimeError, match=r"calls its blocks by keyword only. Call them with the hidden states first"):
-        run_ranks(2, fit_keyword_blocks_in_a_pipeline)
+    model = _KeywordBlocksLM()
+    stack = keep_stages(model, find_decoder_stack(model), {1}, first=False, last=True)
+    second_stage = StageModel(model, stack, list(stack.blocks), first=False, last=True)
+    received = torch.zeros(2, 4, 8)  # the first stage's output
+    with pytest.raises(
+        ValueError, match=r"calls its blocks by keyword only. Call them with the hidden states first"
+    ) as raised_error:
+        second_stage(received, lightdist_model_call=((torch.zeros(2, 4, dtype=torch.long),), {}))
+    assert "(pipeline_tracer=True)" in str(raised_error.value)
 
 
 def test_unknown_strategy_name_is_named_in_the_error() -> None:

@@ -58,8 +58,11 @@ CASES = {
         "pp2_traced_on_request_clip": Case(
             strategy=dict(PP2, microbatches=4, pipeline_tracer=True), gradient_clip_val=0.1, validate=True
         ),
-        "pp2_traced_sequential_blocks_tied_clip": Case(
-            strategy=dict(PP2, microbatches=4), model="sequential_blocks", gradient_clip_val=0.1, validate=True
+        "pp2_traced_sequential_blocks_tied_selective_checkpointing_clip": Case(
+            strategy=dict(PP2, microbatches=4, activation_checkpointing="selective"),
+            model="sequential_blocks",
+            gradient_clip_val=0.1,
+            validate=True,
         ),
     },
     4: {

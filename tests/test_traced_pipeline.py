@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
 
+from lightdist.activation_checkpointing import apply_activation_checkpointing
 from lightdist.structure import find_repeated_blocks
 from lightdist.traced_pipeline import TracedInput, drop_other_stages, trace_stages, traced_stage_sizes
 
@@ -65,6 +67,26 @@ def test_traced_stages_compute_the_model_and_share_its_tied_weight() -> None:
 
     drop_other_stages(model, [last])
     assert {name for name, _ in model.named_parameters()} == {name for name, _ in last.named_parameters()}
+
+
+def test_activation_checkpointing_recomputes_traced_blocks_in_backward() -> None:
+    model, tokens = SequentialBlocksLM(1e-3, 2), torch.randint(0, 64, (2, 16))
+    (first,) = trace_stages(model, ((tokens,), {}), ["blocks.0"], [1], torch.device("cpu"))
+
+    def backward_flops() -> int:
+        loss = first(tokens).sum()
+        with FlopCounterMode(display=False) as counter:
+            loss.backward()
+        return counter.get_total_flops()
+
+    with FlopCounterMode(display=False) as counter:
+        model.blocks[0](torch.zeros(2, 16, 64))
+    block_forward = counter.get_total_flops()
+
+    plain = backward_flops()
+    apply_activation_checkpointing([first.get_submodule("blocks.0")], mode="full")
+    # The block's forward runs again in backward, up to the last value backward needs (not its last matmul).
+    assert plain + block_forward / 2 < backward_flops() < plain + block_forward
 
 
 class BranchesOnData(BlocksAsAttributes):
