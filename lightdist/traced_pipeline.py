@@ -1,5 +1,5 @@
-"""Pipeline stages for a model whose blocks are not in one ``ModuleList``: cut by ``torch.distributed.pipelining``'s
-tracer.
+"""Pipeline stages for a model whose blocks are not in one ``ModuleList`` (or with ``pipeline_tracer=True``): cut by
+``torch.distributed.pipelining``'s tracer.
 
 ``lightdist.pipeline`` runs the model's own forward on every stage, which needs the blocks in a list the forward
 loops over. A model that calls its blocks one by one (``self.first(x)``, ``self.second(x)``) or through an
@@ -67,11 +67,11 @@ def trace_stages(
         pipe = pipeline(model, args, kwargs, split_spec=dict.fromkeys(starts, SplitPoint.BEGINNING))
     except Exception as error:
         raise ValueError(
-            f"Could not cut {type(model).__name__} into pipeline stages. Its blocks ({', '.join(block_names)}) are not "
-            "in one nn.ModuleList, so lightdist traced its forward with torch.export, which failed: "
+            f"Could not cut {type(model).__name__} into pipeline stages before its blocks {', '.join(starts)}: "
+            "lightdist traced its forward with torch.export, which failed: "
             f"{str(error).splitlines()[0]} Keep the transformer blocks in one nn.ModuleList that forward loops over "
-            "(for example `for block in self.layers: x = block(x)`), or make forward traceable by torch.export (no "
-            "data-dependent control flow, no graph breaks)."
+            "(for example `for block in self.layers: x = block(x)`) and leave pipeline_tracer=False, or make forward "
+            "traceable by torch.export (no data-dependent control flow, no graph breaks)."
         ) from error
     finally:
         for name in starts:  # pipeline() leaves its split markers on the blocks

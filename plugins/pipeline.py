@@ -37,7 +37,7 @@ from torchmetrics import Metric
 
 from lightdist.plugins.metric_sync import load_metric_states, metric_states, metrics_of
 
-__all__ = ["PipelineStep", "StageClock", "TiedGradients", "answering_model_calls", "model_call_of"]
+__all__ = ["PipelineStep", "StageClock", "TiedGradients", "model_call_of"]
 
 
 class TiedGradients:

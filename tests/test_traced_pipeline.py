@@ -101,7 +101,7 @@ def test_a_model_neither_cut_can_split_says_what_to_change() -> None:
     model, tokens = BranchesOnData(), torch.zeros(2, 8, dtype=torch.long)
     with pytest.raises(ValueError, match=r"Keep the transformer blocks in one nn\.ModuleList") as raised:
         trace_stages(model, ((tokens,), {}), ["first", "second", "third"], [1, 2], torch.device("cpu"))
-    assert "traced its forward with torch.export, which failed" in str(raised.value)
+    assert "before its blocks second: lightdist traced its forward with torch.export, which failed" in str(raised.value)
     assert "forward" not in model.second.__dict__  # the tracer's split markers are removed again
 
 
