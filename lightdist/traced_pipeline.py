@@ -30,6 +30,7 @@ __all__ = [
     "TracedInput",
     "adopt_parameters",
     "drop_other_stages",
+    "share_model_buffers",
     "tied_across_traced_stages",
     "trace_stages",
     "traced_stage_sizes",
@@ -136,6 +137,17 @@ def adopt_parameters(model: nn.Module, stages: list[nn.Module]) -> None:
         for name, parameter in stage.named_parameters():
             owner, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(owner), leaf, parameter)
+
+
+def share_model_buffers(model: nn.Module, stages: list[nn.Module]) -> None:
+    """Point each stage's buffers (rotary tables, masks) at the model's own under the same name. The trace shares
+    them, but materializing a model built on the meta device, moving it or casting it replaces its buffers, where its
+    parameters keep their objects: call this once the model is where it trains, or the stages compute with the old
+    tensors (on the meta device, never filled by ``reset_parameters``)."""
+    for stage in stages:
+        for name, _ in list(stage.named_buffers()):
+            owner, _, leaf = name.rpartition(".")
+            stage.get_submodule(owner)._buffers[leaf] = model.get_buffer(name)
 
 
 def tied_across_traced_stages(first: nn.Module, last: nn.Module) -> list[tuple[str, str]]:

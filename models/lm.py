@@ -51,9 +51,12 @@ class CausalLM(LightningModule):
         self.warmup_steps = warmup_steps
         self.min_lr_ratio = min_lr_ratio
         # Means over every token of the set, not of per-batch means, which would weigh a short batch as a full one.
-        # A NaN loss stays NaN rather than being dropped with a warning.
-        self.val_loss, self.val_perplexity = MeanMetric(nan_strategy="disable"), Perplexity(nan_strategy="disable")
-        self.test_loss, self.test_perplexity = MeanMetric(nan_strategy="disable"), Perplexity(nan_strategy="disable")
+        # A NaN loss stays NaN rather than being dropped with a warning. Built in CPU memory also when the model is
+        # built on the meta device, which would lose the metrics' starting values; they move with the model.
+        with torch.device("cpu"):
+            self.val_loss, self.val_perplexity = MeanMetric(nan_strategy="disable"), Perplexity(nan_strategy="disable")
+            self.test_loss = MeanMetric(nan_strategy="disable")
+            self.test_perplexity = Perplexity(nan_strategy="disable")
 
     def loss(self, batch: Tensor) -> Tensor:
         inputs, targets = batch[:, :-1], batch[:, 1:]

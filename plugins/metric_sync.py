@@ -14,7 +14,14 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-__all__ = ["MetricStates", "load_metric_states", "metric_states", "metrics_of", "reduce_metrics_over"]
+__all__ = [
+    "MetricStates",
+    "load_metric_states",
+    "metric_states",
+    "metrics_of",
+    "reduce_metrics_over",
+    "refuse_metrics_on_meta",
+]
 
 MetricStates = dict[str, dict[str, Any]]
 
@@ -22,6 +29,24 @@ MetricStates = dict[str, dict[str, Any]]
 def metrics_of(module: nn.Module) -> dict[str, Metric]:
     """Every torchmetrics metric in ``module`` by its module path; those inside a ``MetricCollection`` too."""
     return {name: metric for name, metric in module.named_modules() if isinstance(metric, Metric)}
+
+
+def refuse_metrics_on_meta(module: nn.Module) -> None:
+    """Raise if a metric of ``module`` was built on the meta device. Materializing the model gives its states and the
+    defaults ``reset()`` returns to uninitialized memory, which no ``reset_parameters`` fills: validation would report
+    garbage, not fail."""
+    on_meta = [
+        f"{name} ({type(metric).__name__})"
+        for name, metric in metrics_of(module).items()
+        if any(value.is_meta for value in metric._defaults.values() if isinstance(value, Tensor))
+    ]
+    if on_meta:
+        raise ValueError(
+            f"{type(module).__name__}'s metrics {', '.join(on_meta)} were built on the meta device (under "
+            "`Trainer.init_module(empty_init=True)` or `torch.device('meta')`), where their starting values are lost. "
+            "Build them on a real device inside that context, for example `with torch.device('cpu'): "
+            "self.val_loss = MeanMetric()`: lightdist moves them to the model's device."
+        )
 
 
 def reduce_metrics_over(module: nn.Module, group: dist.ProcessGroup) -> None:

@@ -63,7 +63,7 @@ from lightdist.pipeline import (
 )
 from lightdist.planner import GiB
 from lightdist.plugins.auto_layout import planned_layout
-from lightdist.plugins.metric_sync import metrics_of, reduce_metrics_over
+from lightdist.plugins.metric_sync import metrics_of, reduce_metrics_over, refuse_metrics_on_meta
 from lightdist.plugins.non_finite import NonFiniteError, NonFinitePolicy, NonFiniteStep, check_finite
 from lightdist.plugins.options import PipelineSchedule, check_microbatch_rounds, validate_options
 from lightdist.plugins.pipeline import PipelineStep, TiedGradients, model_call_of
@@ -89,6 +89,7 @@ from lightdist.traced_pipeline import (
     TracedInput,
     adopt_parameters,
     drop_other_stages,
+    share_model_buffers,
     tied_across_traced_stages,
     trace_stages,
     traced_stage_sizes,
@@ -235,6 +236,7 @@ class ParallelStrategy(ModelParallelStrategy):
         self._pipeline_split = pipeline_split
         self._pipeline_tracer = pipeline_tracer
         self._pipeline_step: PipelineStep | None = None
+        self._traced_stages: list[nn.Module] = []  # this rank's stages, when the tracer cut them
         self._tied_names: list[tuple[str, str]] = []
         self._activation_checkpointing = activation_checkpointing
         self._sequence_parallel = sequence_parallel
@@ -391,12 +393,14 @@ class ParallelStrategy(ModelParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         parameters = sum(p.numel() for p in self.lightning_module.parameters())  # whole, before it is split
+        refuse_metrics_on_meta(self.lightning_module)
         self.model = self._parallelize(self.lightning_module)
         reduce_metrics_over(self.lightning_module, self.device_mesh["dp"].get_group())
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         if not self._cpu_offload:
             self.model_to_device()
+        share_model_buffers(self.lightning_module, self._traced_stages)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -893,6 +897,7 @@ class ParallelStrategy(ModelParallelStrategy):
         rank_zero_info(f"lightdist: pipeline stages of {type(module).__name__} cut by torch's tracer: {sizes} blocks.")
         self._tied_names = tied_across_traced_stages(stages[0], stages[-1])
         stages = [stages[index] for index in self._stages_of_this_rank()]
+        self._traced_stages = stages
         drop_other_stages(module, stages)
         for stage in stages:
             blocks = [stage.get_submodule(name) for name in block_names if _has_submodule(stage, name)]

@@ -9,10 +9,12 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader
+from torchmetrics import MeanMetric
 
 from lightdist.models import Llama, TokenDataModule
 from lightdist.pipeline import StageModel, keep_stages
 from lightdist.plugins import ParallelStrategy
+from lightdist.plugins.metric_sync import refuse_metrics_on_meta
 from lightdist.structure import find_decoder_stack
 
 from multirank import raised, run_each, run_ranks
@@ -218,6 +220,19 @@ def fit_module_without_parameters() -> None:
 def test_module_without_parameters_is_rejected() -> None:
     with pytest.raises(RuntimeError, match=r"_NoLayers has no parameters to train"):
         run_ranks(1, fit_module_without_parameters)
+
+
+def test_metrics_built_on_the_meta_device_are_refused_with_the_fix() -> None:
+    # Under `Trainer.init_module(empty_init=True)`: materializing would leave the metric's state uninitialized, and
+    # validation would report garbage rather than fail.
+    with torch.device("meta"):
+        model = Llama("tiny")
+        refuse_metrics_on_meta(model)  # the reference models build their metrics in CPU memory
+        model.val_accuracy = MeanMetric()
+    with pytest.raises(
+        ValueError, match=r"val_accuracy \(MeanMetric\) were built on the meta device.*torch.device\('cpu'\)"
+    ):
+        refuse_metrics_on_meta(model)
 
 
 class _OneWeight(LightningModule):

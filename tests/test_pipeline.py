@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import DataLoader
 
 from lightdist.models import Llama, TokenDataModule
@@ -77,6 +78,33 @@ def test_validation_and_test_through_a_pipeline_match_one_process(schedule: str)
     assert {name.split(".")[2] for name in last_names if ".layers." in name} == {"0", "1", "2", "3"} - blocks
 
 
+def validate_built_on_meta(strategy: dict, devices: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """``trainer.validate`` of a tiny Llama built on the meta device, as ``Trainer.init_module(empty_init=True)``
+    builds a model too large for one process's memory; the metrics and this rank's share of the weights it was
+    materialized with."""
+    seed_everything(1234)
+    trainer = quiet_trainer(strategy, devices)
+    with trainer.init_module(empty_init=True):
+        model = Llama("tiny")
+    assert all(p.is_meta for p in model.parameters())
+    data = TokenDataModule(seq_len=32, batch_size=4, val_fraction=0.25, synthetic_tokens=16_384, shuffle=False)
+    (metrics,) = trainer.validate(model, datamodule=data)
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return metrics, {name: weight.detach().clone() for name, weight in weights.items()}
+
+
+@pytest.mark.multirank
+def test_a_model_built_on_the_meta_device_validates_as_its_weights_do_in_memory() -> None:
+    # Stages cut by the tracer compute with the model's rotary tables, filled when the model is materialized; the
+    # validation metrics start from zero, not from uninitialized memory.
+    (metrics, first_weights), (_, last_weights) = pipeline_results()["validate_built_on_meta"]
+    model = Llama("tiny")
+    model.load_state_dict({**first_weights, **last_weights})
+    data = TokenDataModule(seq_len=32, batch_size=4, val_fraction=0.25, synthetic_tokens=16_384, shuffle=False)
+    (in_memory,) = quiet_trainer(None, 1).validate(model, datamodule=data)
+    assert metrics == pytest.approx(in_memory, rel=1e-5, abs=0)
+
+
 class WeightedLlama(Llama):
     """Called with more than the token ids: a weight per example, and a keyword option."""
 
@@ -116,6 +144,7 @@ def pipeline_results() -> dict[str, tuple]:
         for schedule in ("1f1b", "interleaved_1f1b")
     }
     calls["predict_zero_bubble"] = (predict, (dict(PP2, pipeline_schedule="zero_bubble"), 2))
+    calls["validate_built_on_meta"] = (validate_built_on_meta, (dict(PP2, pipeline_tracer=True), 2))
     first, last = run_ranks(2, run_each, list(calls.values()))
     return dict(zip(calls, zip(first, last, strict=True), strict=True))
 
