@@ -7,6 +7,8 @@ default, would count every batch ``tp * pp`` times in a sum or a count.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed as dist
@@ -19,6 +21,7 @@ __all__ = [
     "load_metric_states",
     "metric_states",
     "metrics_of",
+    "metrics_set_aside",
     "reduce_metrics_over",
     "refuse_metrics_on_meta",
 ]
@@ -32,9 +35,8 @@ def metrics_of(module: nn.Module) -> dict[str, Metric]:
 
 
 def refuse_metrics_on_meta(module: nn.Module) -> None:
-    """Raise if a metric of ``module`` was built on the meta device. Materializing the model gives its states and the
-    defaults ``reset()`` returns to uninitialized memory, which no ``reset_parameters`` fills: validation would report
-    garbage, not fail."""
+    """Raise if a metric of ``module`` was built on the meta device: its starting values, and the defaults ``reset()``
+    returns to, are lost, and no ``reset_parameters`` gives them back."""
     on_meta = [
         f"{name} ({type(metric).__name__})"
         for name, metric in metrics_of(module).items()
@@ -47,6 +49,28 @@ def refuse_metrics_on_meta(module: nn.Module) -> None:
             "Build them on a real device inside that context, for example `with torch.device('cpu'): "
             "self.val_loss = MeanMetric()`: lightdist moves them to the model's device."
         )
+
+
+@contextmanager
+def metrics_set_aside(module: nn.Module) -> Iterator[None]:
+    """Take ``module``'s metrics out of it for the duration, each left in place. Materializing a model built on the
+    meta device calls ``to_empty`` on the whole model, which torchmetrics applies to every metric's states and
+    defaults too, though they hold real values: they would read uninitialized memory."""
+    outermost: list[str] = []
+    for name in metrics_of(module):
+        if not any(name.startswith(f"{outer}.") for outer in outermost):
+            outermost.append(name)
+    aside = []
+    for name in outermost:
+        owner, _, leaf = name.rpartition(".")
+        parent = module.get_submodule(owner)
+        aside.append((parent, leaf, parent._modules[leaf]))
+        parent._modules[leaf] = None  # keeps its place among the children
+    try:
+        yield
+    finally:
+        for parent, leaf, metric in aside:
+            parent._modules[leaf] = metric
 
 
 def reduce_metrics_over(module: nn.Module, group: dist.ProcessGroup) -> None:

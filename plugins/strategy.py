@@ -63,7 +63,12 @@ from lightdist.pipeline import (
 )
 from lightdist.planner import GiB
 from lightdist.plugins.auto_layout import planned_layout
-from lightdist.plugins.metric_sync import metrics_of, reduce_metrics_over, refuse_metrics_on_meta
+from lightdist.plugins.metric_sync import (
+    metrics_of,
+    metrics_set_aside,
+    reduce_metrics_over,
+    refuse_metrics_on_meta,
+)
 from lightdist.plugins.non_finite import NonFiniteError, NonFinitePolicy, NonFiniteStep, check_finite
 from lightdist.plugins.options import PipelineSchedule, check_microbatch_rounds, validate_options
 from lightdist.plugins.pipeline import PipelineStep, TiedGradients, model_call_of
@@ -396,7 +401,8 @@ class ParallelStrategy(ModelParallelStrategy):
         refuse_metrics_on_meta(self.lightning_module)
         self.model = self._parallelize(self.lightning_module)
         reduce_metrics_over(self.lightning_module, self.device_mesh["dp"].get_group())
-        _materialize_distributed_module(self.model, self.root_device)
+        with metrics_set_aside(self.lightning_module):
+            _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         if not self._cpu_offload:
             self.model_to_device()
