@@ -223,8 +223,8 @@ def test_module_without_parameters_is_rejected() -> None:
 
 
 def test_metrics_built_on_the_meta_device_are_refused_with_the_fix() -> None:
-    # Under `Trainer.init_module(empty_init=True)`: materializing would leave the metric's state uninitialized, and
-    # validation would report garbage rather than fail.
+    # Under `Trainer.init_module(empty_init=True)`: the metric's starting values are lost, and the run would stop
+    # only later, on torch's "Cannot copy out of meta tensor", which names no metric.
     with torch.device("meta"):
         model = Llama("tiny")
         refuse_metrics_on_meta(model)  # the reference models build their metrics in CPU memory

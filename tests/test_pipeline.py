@@ -45,12 +45,16 @@ class CountingLlama(Llama):
         return super().validation_step(batch, batch_idx)
 
 
+def validation_data() -> TokenDataModule:
+    return TokenDataModule(seq_len=32, batch_size=4, val_fraction=0.25, synthetic_tokens=16_384, shuffle=False)
+
+
 def validate(strategy: dict | None, devices: int) -> tuple[dict[str, float], list[str]]:
     """``trainer.validate`` and ``trainer.test`` of a freshly seeded tiny Llama; their metrics and the parameter
     names this rank holds."""
     seed_everything(1234)
     model = CountingLlama("tiny")
-    data = TokenDataModule(seq_len=32, batch_size=4, val_fraction=0.25, synthetic_tokens=16_384, shuffle=False)
+    data = validation_data()
     trainer = quiet_trainer(strategy, devices)
     (metrics,) = trainer.validate(model, datamodule=data)
     (tested,) = trainer.test(model, dataloaders=data.val_dataloader())
@@ -87,11 +91,10 @@ def validate_built_on_meta(strategy: dict, devices: int) -> tuple[dict[str, floa
     with trainer.init_module(empty_init=True):
         model = Llama("tiny")
     assert all(p.is_meta for p in model.parameters())
-    data = TokenDataModule(seq_len=32, batch_size=4, val_fraction=0.25, synthetic_tokens=16_384, shuffle=False)
     # Memory that materializing leaves unfilled reads as NaN, not as whatever was there before.
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        (metrics,) = trainer.validate(model, datamodule=data)
+        (metrics,) = trainer.validate(model, datamodule=validation_data())
     finally:
         torch.use_deterministic_algorithms(False)
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -105,8 +108,7 @@ def test_a_model_built_on_the_meta_device_validates_as_its_weights_do_in_memory(
     (metrics, first_weights), (_, last_weights) = pipeline_results()["validate_built_on_meta"]
     model = Llama("tiny")
     model.load_state_dict({**first_weights, **last_weights})
-    data = TokenDataModule(seq_len=32, batch_size=4, val_fraction=0.25, synthetic_tokens=16_384, shuffle=False)
-    (in_memory,) = quiet_trainer(None, 1).validate(model, datamodule=data)
+    (in_memory,) = quiet_trainer(None, 1).validate(model, datamodule=validation_data())
     assert metrics == pytest.approx(in_memory, rel=1e-5, abs=0)
 
 
