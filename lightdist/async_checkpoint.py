@@ -20,16 +20,18 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
 
 # Not re-exported by torch.distributed.checkpoint (torch 2.13), but the writer DCP documents for fsspec.
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.tensor import DTensor
 
 from lightdist.storage import commit, is_complete, remove, write_pointer
 
-__all__ = ["WRITER_THREADS", "AsyncMode", "CheckpointSaver"]
+__all__ = ["WRITER_THREADS", "AsyncMode", "CheckpointSaver", "buffers_copied"]
 
 AsyncMode = Literal["process", "thread"]
 
@@ -112,7 +114,7 @@ class CheckpointSaver:
         else:
             dcp.save(state, storage_writer=writer, process_group=self._group)
         if metadata is not None:
-            self._submit(self._commit, self._upload, url, _serialized(metadata))
+            self._submit(self._commit, self._upload, url, _serialized(metadata), metadata.get("global_step"))
         if not background:
             self.wait()
             if metadata is not None and not self._last_save_ok:
@@ -160,11 +162,11 @@ class CheckpointSaver:
     def _submit(self, job: Any, *args: Any) -> None:
         self._last_job = self._jobs.submit(job, *args)
 
-    def _commit(self, upload: Future | None, url: str, metadata: bytes) -> None:
+    def _commit(self, upload: Future | None, url: str, metadata: bytes, step: int | None) -> None:
         try:
             if upload is not None:
                 upload.result()
-            commit(url, metadata)
+            commit(url, metadata, step=step)
         except (Exception, CheckpointException) as error:  # DCP's own is a BaseException
             self._last_save_ok = False
             self._failed_saves.add(url)
@@ -209,6 +211,23 @@ class CheckpointSaver:
         message = f"lightdist: {problem}. Training goes on; the previous complete checkpoint is kept."
         self.failures.append(message)
         log.error(message)
+
+
+def buffers_copied(module: nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with copies of ``module``'s buffers in place of the buffers themselves.
+
+    A background save copies the state while the next step runs its forward and backward: they leave parameters and
+    optimizer state alone, but a forward may update buffers (BatchNorm's running statistics). Buffers are small.
+    """
+
+    def address(tensor: Tensor) -> int:
+        return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).data_ptr()
+
+    buffers = {address(buffer) for buffer in module.buffers()}
+    return {
+        name: value.clone() if isinstance(value, Tensor) and address(value) in buffers else value
+        for name, value in state_dict.items()
+    }
 
 
 def _on_every_rank(flag: bool, group: dist.ProcessGroup) -> bool:

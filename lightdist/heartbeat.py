@@ -15,9 +15,9 @@ import threading
 import time
 from types import FrameType
 
-from torch.distributed import Store
+from torch.distributed import DistBackendError, Store
 
-__all__ = ["Heartbeat", "describe_ranks"]
+__all__ = ["Heartbeat", "describe_ranks", "failed_collective"]
 
 _KEY = "lightdist/heartbeat/{rank}"
 
@@ -96,3 +96,10 @@ _TORCH = f"{os.sep}torch{os.sep}"
 
 def _describe(frame: FrameType) -> str:
     return f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"
+
+
+def failed_collective(exception: BaseException) -> bool:
+    """A collective's error: torch's backend errors, and gloo's timeouts, which it raises as plain RuntimeErrors."""
+    return isinstance(exception, DistBackendError) or (
+        isinstance(exception, RuntimeError) and "timed out" in str(exception).lower()
+    )

@@ -2,9 +2,10 @@
 
 A checkpoint is a directory: every rank's shards and DCP's index (written by DCP's fsspec writer, s3fs and gcsfs
 underneath), Lightning's non-tensor state in ``meta.pt``, and last a ``COMPLETE`` manifest listing every file and its
-size. Only a directory with its manifest is a checkpoint: a save cut short by a crash, a kill or a storage fault
-leaves a directory without one, which loaders refuse and which no pointer ever names. Object stores have no atomic
-rename of a directory, so this marker written last is what makes a save all-or-nothing.
+size, and the step saved. Only a directory with its manifest is a checkpoint: a save cut short by a crash, a kill or a
+storage fault leaves a directory without one, which loaders refuse and which no pointer ever names. Object stores have
+no atomic rename of a directory, so this marker written last is what makes a save all-or-nothing, and its time is when
+the save ended: ``checkpoints_under`` orders a run's checkpoints by it.
 
 A pointer is a small file (``last.ckpt``) naming a checkpoint beside it; rewriting it replaces one object, which is
 atomic on every store, where rewriting a checkpoint in place would not be.
@@ -28,6 +29,8 @@ import posixpath
 import re
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import fsspec.config
@@ -43,9 +46,11 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 
 __all__ = [
     "MANIFEST_FILENAME",
+    "SavedCheckpoint",
     "UnsafeCheckpointError",
     "check_same_model",
     "check_writable",
+    "checkpoints_under",
     "commit",
     "configure",
     "is_complete",
@@ -131,13 +136,15 @@ def _storage_fix(error: Exception, url: str) -> str:
     return f"{type(error).__name__}: {error}. Choose a dirpath these processes can write to."
 
 
-def commit(url: str, metadata: bytes) -> None:
+def commit(url: str, metadata: bytes, *, step: int | None = None) -> None:
     """Write Lightning's metadata, then the manifest that makes the checkpoint at ``url`` complete. Rank 0 only,
-    after every rank's shards are written: DCP's coordinator (rank 0) returns from a save only then."""
+    after every rank's shards are written: DCP's coordinator (rank 0) returns from a save only then.
+
+    ``step``, the global step saved, orders saves that object storage dates to the same second."""
     fs, path = url_to_fs(url)
     fs.pipe_file(posixpath.join(path, _METADATA_FILENAME), metadata)
     fs.invalidate_cache(path)  # the shards were written by other processes
-    manifest = {"files": _file_sizes(fs, path)}
+    manifest = {"files": _file_sizes(fs, path), "global_step": step}
     _replace(fs, posixpath.join(path, MANIFEST_FILENAME), json.dumps(manifest, indent=1).encode())
 
 
@@ -161,33 +168,122 @@ def resolve(url: str) -> str:
     fs, path = url_to_fs(url)
     fs.invalidate_cache()  # other processes write checkpoints and pointers
     if fs.isfile(path):
-        try:
-            name = json.loads(fs.cat_file(path))[_POINTER_KEY]
-        except (ValueError, KeyError, TypeError):
+        name = _pointed_at(fs, path)
+        if name is None:
             raise ValueError(
                 f"{url} is a file, not a lightdist sharded checkpoint (a directory) or a pointer to one. Load "
                 "single-file Lightning checkpoints with Lightning's own strategies."
-            ) from None
+            )
         url = posixpath.join(posixpath.dirname(url.rstrip("/")), name)
         fs, path = url_to_fs(url)
     if not fs.isdir(path):
         raise FileNotFoundError(f"No checkpoint at {url}.")
-    manifest_path = posixpath.join(path, MANIFEST_FILENAME)
-    if not fs.isfile(manifest_path):
+    problem, _ = _inspect(fs, path, _file_sizes(fs, path))
+    if problem is not None:
         raise ValueError(
-            f"The checkpoint at {url} is incomplete: it has no {MANIFEST_FILENAME} manifest, which a save writes last, "
-            "so its save was interrupted. Resume from an earlier checkpoint (ckpt_path='last' picks the newest "
-            "complete one)."
-        )
-    expected = json.loads(fs.cat_file(manifest_path))["files"]
-    present = _file_sizes(fs, path)
-    damaged = sorted(name for name, size in expected.items() if present.get(name) != size)
-    if damaged:
-        raise ValueError(
-            f"The checkpoint at {url} is damaged: {', '.join(damaged)} missing or of the wrong size since it was "
-            "saved. Resume from another checkpoint."
+            f"The checkpoint at {url} is {problem}. Resume from another checkpoint: ckpt_path='last' picks the newest "
+            "complete one under the ModelCheckpoint's dirpath."
         )
     return url
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """A checkpoint found in storage, and why it cannot be loaded (``None``: it is complete and whole)."""
+
+    url: str
+    problem: str | None
+    saved_at: datetime  # when its save ended (its manifest was written); unfinished, when one of its files was
+    step: int | None  # the global step saved, where its manifest says
+    pointer: str | None = None  # a pointer beside it (last.ckpt) that names it
+
+
+def checkpoints_under(*urls: str) -> list[SavedCheckpoint]:
+    """Every checkpoint under ``urls``, at any depth, the newest save first: sharded checkpoints, complete or not, and
+    single-file checkpoints, which lightdist cannot load. Pointers are not checkpoints: they name one."""
+    found = {checkpoint.url: checkpoint for url in urls for checkpoint in _checkpoints_under(url)}
+    return sorted(found.values(), key=_save_order, reverse=True)
+
+
+def _save_order(checkpoint: SavedCheckpoint) -> tuple[datetime, float]:
+    """Saves dated to the same moment (object stores date to the second) by step; one that never finished (no step)
+    as the newer of the two, so that it is named rather than passed over as an old leftover."""
+    return checkpoint.saved_at, checkpoint.step if checkpoint.step is not None else float("inf")
+
+
+def _checkpoints_under(url: str) -> list[SavedCheckpoint]:
+    fs, root = url_to_fs(url)
+    fs.invalidate_cache()  # other processes write checkpoints
+    try:
+        files = fs.find(root, detail=True)
+    except FileNotFoundError:  # no bucket, or no folder: nothing saved yet; the setup's write check names the fix
+        return []
+    except Exception as error:
+        raise ValueError(f"lightdist cannot look for checkpoints under {url}: {_storage_fix(error, url)}") from error
+    directories: dict[str, dict[str, int]] = {}
+    for path, info in files.items():
+        directory, name = posixpath.split(path)
+        directories.setdefault(directory, {})[name] = info["size"]
+    sharded, single_files, pointers = [], [], {}
+    for directory, sizes in directories.items():
+        if any(name in _SHARDED_FILES or name.endswith(".distcp") for name in sizes):
+            sharded.append(directory)
+            continue
+        for name, size in sizes.items():
+            path = posixpath.join(directory, name)
+            if not name.endswith(".ckpt"):
+                continue
+            named = _pointed_at(fs, path) if size <= 4096 else None  # a pointer holds one relative path
+            if named is None:
+                single_files.append(path)
+            else:
+                pointers[posixpath.normpath(posixpath.join(directory, named))] = _spelled_as(url, root, path)
+    found = []
+    for directory in sharded:
+        problem, step = _inspect(fs, directory, directories[directory])
+        written = MANIFEST_FILENAME if MANIFEST_FILENAME in directories[directory] else max(directories[directory])
+        saved_at = fs.modified(posixpath.join(directory, written))
+        found.append(
+            SavedCheckpoint(_spelled_as(url, root, directory), problem, saved_at, step, pointers.get(directory))
+        )
+    problem = "a single-file checkpoint, which lightdist's sharded loading cannot read"
+    found += [SavedCheckpoint(_spelled_as(url, root, path), problem, fs.modified(path), None) for path in single_files]
+    return found
+
+
+def _spelled_as(url: str, root: str, path: str) -> str:
+    """``path``, which the filesystem of ``url`` lists under ``url``'s ``root``, as a URL spelled the way ``url`` is."""
+    relative = posixpath.relpath(path, root)
+    return url if relative == "." else f"{url.rstrip('/')}/{relative}"
+
+
+_SHARDED_FILES = frozenset({MANIFEST_FILENAME, ".metadata", _METADATA_FILENAME})
+
+
+def _inspect(fs: Any, path: str, sizes: Mapping[str, int]) -> tuple[str | None, int | None]:
+    """What is wrong with the checkpoint directory ``path`` holding files of ``sizes`` (``None``: nothing), and the
+    step its manifest names."""
+    if MANIFEST_FILENAME not in sizes:
+        problem = (
+            f"incomplete: it has no {MANIFEST_FILENAME} manifest, which a save writes last, so its save was cut short"
+        )
+        return problem, None
+    try:
+        manifest = json.loads(fs.cat_file(posixpath.join(path, MANIFEST_FILENAME)))
+    except ValueError:
+        return f"damaged: its {MANIFEST_FILENAME} manifest cannot be read", None
+    damaged = sorted(name for name, size in manifest["files"].items() if sizes.get(name) != size)
+    problem = f"damaged: {', '.join(damaged)} missing or of the wrong size since it was saved" if damaged else None
+    return problem, manifest.get("global_step")
+
+
+def _pointed_at(fs: Any, path: str) -> str | None:
+    """The path, relative to its folder, of the checkpoint that the file at ``path`` names, if it is a pointer."""
+    try:
+        pointer = json.loads(fs.cat_file(path))
+    except ValueError:  # bytes that are not JSON, UTF-8 decoding included
+        return None
+    return pointer.get(_POINTER_KEY) if isinstance(pointer, dict) else None
 
 
 def remove(url: str) -> None:

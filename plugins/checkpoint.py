@@ -1,12 +1,13 @@
-"""Lightning's ``ModelCheckpoint`` for sharded checkpoints at any fsspec URL, with an atomic ``last.ckpt``."""
+"""Lightning's ``ModelCheckpoint`` for sharded checkpoints at any fsspec URL, with an atomic ``last.ckpt``; under
+``ParallelStrategy`` every Lightning ``ModelCheckpoint`` a user configured gets this behaviour."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckpoint
 from torch import Tensor
 from typing_extensions import override
@@ -17,7 +18,7 @@ from lightdist.storage import check_writable, is_complete
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["ModelCheckpoint"]
+__all__ = ["ModelCheckpoint", "adopt_checkpoint_callbacks"]
 
 log = logging.getLogger(__name__)
 
@@ -28,18 +29,17 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     Lightning rewrites ``last.ckpt`` in place at every save: on object storage, a save cut short there leaves no
     ``last`` at all, and the upload doubles. Here ``last.ckpt`` is pointed at the checkpoint this step saved, once that
     one is complete; where no top-k checkpoint was saved at this step, the state goes to ``last-step=N.ckpt`` first.
-    ``trainer.fit(ckpt_path="last")`` then finds it on ``s3://`` and ``gs://`` too, where Lightning's own search
-    drops the protocol and silently starts from scratch.
+    A save cut short never takes the previous ``last`` with it.
 
     Before ``fit`` trains, rank 0 writes and deletes a small object under ``dirpath``: a missing bucket, missing
-    credentials, an unreachable endpoint or a read-only directory fail then, each with its fix.
+    credentials, an unreachable endpoint or a read-only directory fail then, each with its fix. A name that holds
+    only what a save cut short left is free for the next save, rather than pushing it to Lightning's ``-v1``, and a
+    storage fault in that look fails the save (reported, training goes on), not the training step.
 
     Under any other strategy than ``ParallelStrategy`` it is Lightning's ``ModelCheckpoint`` unchanged.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._last_only_path = ""  # the state saved for last.ckpt alone, removed once last.ckpt names a newer one
+    _last_only_path = ""  # the state saved for last.ckpt alone, removed once last.ckpt names a newer one
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -101,15 +101,23 @@ class ModelCheckpoint(_LightningModelCheckpoint):
                 log.warning("lightdist: could not look for a checkpoint at %s: %s", filepath, error)
         return trainer.strategy.reduce_boolean_decision(there, all=False)
 
-    @override
-    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
-        if not isinstance(trainer.strategy, ParallelStrategy):
-            return super()._find_last_checkpoints(trainer)
-        # Lightning's search returns paths without their protocol, which then name nothing on object storage.
-        found = super()._find_last_checkpoints(trainer)
-        if self.dirpath is not None and not _is_local_file_protocol(self.dirpath):
-            found = {self._fs.unstrip_protocol(path) for path in found}
-        return {path for path in found if self._fs.isfile(path)}  # pointers, not the states saved for them
-
     def _path(self, name: str) -> str:
         return os.path.join(self.dirpath, name + self.FILE_EXTENSION)
+
+
+def adopt_checkpoint_callbacks(trainer: pl.Trainer) -> None:
+    """Give each of the Trainer's Lightning ``ModelCheckpoint`` callbacks (a user's subclass too) the behaviour of
+    lightdist's, so that switching the strategy is all a user changes: their own callback keeps its settings and state,
+    and saves through the strategy as lightdist's does. Its class becomes a subclass of both, as FSDP2's
+    ``fully_shard`` does with modules; a subclass's own overrides still come first. The class keeps its name, which
+    keys the callback's state in checkpoints."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, _LightningModelCheckpoint) and not isinstance(callback, ModelCheckpoint):
+            callback.__class__ = _with_lightdist_behaviour(type(callback))
+
+
+@functools.cache
+def _with_lightdist_behaviour(cls: type[_LightningModelCheckpoint]) -> type[ModelCheckpoint]:
+    if cls is _LightningModelCheckpoint:
+        return ModelCheckpoint
+    return type(cls.__name__, (cls, ModelCheckpoint), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})

@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torch.distributed import DistBackendError, ReduceOp
+from torch.distributed import ReduceOp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -48,8 +48,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightdist.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
-from lightdist.async_checkpoint import AsyncMode, CheckpointSaver
-from lightdist.heartbeat import Heartbeat, describe_ranks
+from lightdist.async_checkpoint import AsyncMode, CheckpointSaver, buffers_copied
+from lightdist.heartbeat import Heartbeat, describe_ranks, failed_collective
 from lightdist.layout import MESH_DIM_NAMES, ParallelLayout
 from lightdist.loss_parallel import vocab_parallel_cross_entropy
 from lightdist.pipeline import (
@@ -73,6 +73,7 @@ from lightdist.plugins.non_finite import NonFiniteError, NonFinitePolicy, NonFin
 from lightdist.plugins.options import PipelineSchedule, check_microbatch_rounds, validate_options
 from lightdist.plugins.pipeline import PipelineStep, TiedGradients, model_call_of
 from lightdist.plugins.rank_state import deal_samples_in_turn, gather_rank_states, take_rank_state
+from lightdist.plugins.resume import resuming_launcher
 from lightdist.restarts import nodes_started_by_torchrun, round_store
 from lightdist.rng import set_rng_state
 from lightdist.sharding import ShardedOptimizer, ZeroStage, apply_data_parallel
@@ -325,7 +326,7 @@ class ParallelStrategy(ModelParallelStrategy):
                 "cpu_offload=True moves sharded state from accelerator memory to CPU memory, but the accelerator is "
                 "the CPU. Drop cpu_offload, or train on GPUs."
             )
-        super()._configure_launcher()
+        self._launcher = resuming_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def _setup_distributed(self) -> None:
@@ -349,6 +350,7 @@ class ParallelStrategy(ModelParallelStrategy):
             self._layout = self._plan_layout()
         else:
             self._layout = self._resolve_layout(*self._world_size_to_come)
+        self._launcher.check_every_rank_resumes_alike()
         self._device_mesh = self._layout.build_mesh(self.root_device.type)
         for name in MESH_DIM_NAMES:  # torch makes a mesh's groups with its own default timeout, not the world's
             _set_pg_timeout(self._timeout, self._device_mesh[name].get_group())
@@ -369,7 +371,7 @@ class ParallelStrategy(ModelParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """Say which rank stopped answering when a collective failed: the error itself names none."""
         super().on_exception(exception)
-        if self._heartbeat is None or not _failed_collective(exception):
+        if self._heartbeat is None or not failed_collective(exception):
             return
         report = "lightdist: the ranks' last heartbeats:\n" + describe_ranks(
             self._heartbeat.store, self.world_size, self._heartbeat.interval_s
@@ -632,7 +634,7 @@ class ParallelStrategy(ModelParallelStrategy):
                 "environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) or the profile."
             )
         url = self.broadcast(str(filepath))  # rank 0's path, so every rank writes into one checkpoint
-        state = {"state_dict": _buffers_copied(self.lightning_module, checkpoint.pop("state_dict"))}
+        state = {"state_dict": buffers_copied(self.lightning_module, checkpoint.pop("state_dict"))}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         trainer = self.lightning_module.trainer
         self._checkpoint_saver.save(
@@ -1068,23 +1070,6 @@ _SCHEDULES = {
 }
 
 
-def _buffers_copied(module: nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """``state_dict`` with copies of ``module``'s buffers in place of the buffers themselves.
-
-    A background save copies the state while the next step runs its forward and backward: they leave parameters and
-    optimizer state alone, but a forward may update buffers (BatchNorm's running statistics). Buffers are small.
-    """
-
-    def address(tensor: Tensor) -> int:
-        return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).data_ptr()
-
-    buffers = {address(buffer) for buffer in module.buffers()}
-    return {
-        name: value.clone() if isinstance(value, Tensor) and address(value) in buffers else value
-        for name, value in state_dict.items()
-    }
-
-
 def _identity(x: Tensor) -> Tensor:
     return x
 
@@ -1102,10 +1087,3 @@ def _holds_parameters(module: nn.Module, name: str) -> bool:
         return any(True for _ in module.get_submodule(name).parameters(recurse=False))
     except AttributeError:  # a block another pipeline stage holds
         return False
-
-
-def _failed_collective(exception: BaseException) -> bool:
-    """A collective's error: torch's backend errors, and gloo's timeouts, which it raises as plain RuntimeErrors."""
-    return isinstance(exception, DistBackendError) or (
-        isinstance(exception, RuntimeError) and "timed out" in str(exception).lower()
-    )

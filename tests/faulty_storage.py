@@ -7,7 +7,9 @@ was seen, which names the fault to answer with, or ``None`` to pass it through:
 - ``"throttle"``: 503 SlowDown, S3's answer to too many requests;
 - ``"error"``: 500 InternalError;
 - ``"reset"``: the connection dropped without an answer, as when a server or a load balancer goes away;
-- ``"slow"``: passed through after a pause.
+- ``"slow"``: passed through after a pause;
+- ``"hold"``: no answer until the proxy is stopped, then the connection dropped: an upload stalled while its client
+  dies.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Literal
 from urllib.parse import unquote, urlsplit
 
-Fault = Literal["throttle", "error", "reset", "slow"]
+Fault = Literal["throttle", "error", "reset", "slow", "hold"]
 FaultPlan = Callable[[str, str, int], Fault | None]
 
 _ERRORS = {
@@ -44,6 +46,7 @@ class FaultyStorage:
         self.injected: Counter[Fault] = Counter()
         self._seen: Counter[tuple[str, str]] = Counter()
         self._lock = threading.Lock()
+        self.stopped = threading.Event()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _relay_to(self))
         self._server.daemon_threads = True
 
@@ -53,6 +56,7 @@ class FaultyStorage:
         return f"http://{host}:{port}"
 
     def __exit__(self, *exc_info: object) -> None:
+        self.stopped.set()
         self._server.shutdown()
         self._server.server_close()
 
@@ -72,6 +76,9 @@ def _relay_to(storage: FaultyStorage) -> type[BaseHTTPRequestHandler]:
         def relay(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             fault = storage.fault_for(self.command, unquote(urlsplit(self.path).path))
+            if fault == "hold":
+                storage.stopped.wait()
+                fault = "reset"
             if fault == "reset":
                 # SO_LINGER 0: closing sends a TCP reset rather than an orderly end of the connection.
                 self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

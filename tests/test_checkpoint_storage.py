@@ -3,24 +3,28 @@
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 from pathlib import Path
 
 import fsspec
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsspec import AbstractFileSystem
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from torch import Tensor, nn
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.utils.data import DataLoader
 
 from lightdist.plugins import ModelCheckpoint, ParallelStrategy
+from lightdist.plugins.resume import newest_complete_checkpoint
 from lightdist.storage import UnsafeCheckpointError, commit, remove, resolve, saved_model_tensors, write_pointer
 
 from multirank import run_ranks
-from training import Case, Result, StopAfter, train
+from training import MODELS, Case, Result, StopAfter, train
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -64,6 +68,89 @@ def test_last_points_at_a_complete_checkpoint_and_removal_leaves_nothing(run_url
     assert not fs.exists(path)
     with pytest.raises(FileNotFoundError, match=r"No checkpoint at .*step=4/state.ckpt"):
         resolve(f"{run_url}/last.ckpt")
+
+
+def complete(url: str, step: int) -> None:
+    fake_shards(url)
+    commit(url, b"loop state", step=step)
+
+
+def test_last_is_the_newest_complete_checkpoint_and_one_line_names_the_newer_one_it_skips(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Lightning is handed the pointer that names the checkpoint, as its own search hands it ``last.ckpt``."""
+    run = str(tmp_path / "run")
+    complete(f"{run}/epoch=0-step=2.ckpt", step=2)
+    complete(f"{run}/step=4/state.ckpt", step=4)  # filename="{step}/state": a checkpoint a folder down
+    write_pointer(f"{run}/last.ckpt", f"{run}/step=4/state.ckpt")
+    write_pointer(f"{run}/last-v1.ckpt", f"{run}/epoch=0-step=2.ckpt")  # another callback's, lagging
+    fake_shards(f"{run}/epoch=0-step=6.ckpt")  # cut short by a kill
+    assert newest_complete_checkpoint([run]) == f"{run}/last.ckpt"
+    assert caplog.messages == [
+        f"lightdist: skipping {run}/epoch=0-step=6.ckpt (incomplete: it has no COMPLETE manifest, which a save writes "
+        f"last, so its save was cut short): resuming from {run}/step=4/state.ckpt (step 4), the newest complete "
+        "checkpoint"
+    ]
+
+
+def test_saves_dated_to_the_same_second_are_ordered_by_step_and_one_cut_short_counts_as_newer(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Object stores date objects to the second: saves made within one second, as every-step saves of a small
+    model are, must still resume the later one, and a save cut short in that second must not pass for an old one."""
+    run = tmp_path / "run"
+    complete(str(run / "b.ckpt"), step=6)
+    complete(str(run / "a.ckpt"), step=4)
+    fake_shards(str(run / "c.ckpt"))
+    second = 1_790_000_000
+    for written in run.rglob("*"):
+        os.utime(written, (second, second))
+    assert newest_complete_checkpoint([str(run)]) == str(run / "b.ckpt")
+    (skipped,) = caplog.messages
+    assert skipped.startswith(f"lightdist: skipping {run}/c.ckpt (incomplete")
+
+
+def test_last_refuses_checkpoints_none_of_which_can_be_loaded(run_url: str) -> None:
+    complete(f"{run_url}/epoch=0-step=2.ckpt", step=2)
+    fs, path = fsspec.core.url_to_fs(run_url)
+    fs.rm_file(f"{path}/epoch=0-step=2.ckpt/__1_0.distcp")
+    fake_shards(f"{run_url}/epoch=0-step=4.ckpt")
+    fs.pipe_file(f"{path}/before-lightdist.ckpt", b"PK\x03\x04 a torch.save zip of a whole model")
+    with pytest.raises(ValueError) as refused:
+        newest_complete_checkpoint([run_url])
+    message = str(refused.value)
+    assert message.startswith(f"ckpt_path='last' found checkpoints under {run_url}, but none that can be loaded: ")
+    assert f"{run_url}/epoch=0-step=4.ckpt is incomplete" in message
+    assert f"{run_url}/epoch=0-step=2.ckpt is damaged: __1_0.distcp missing" in message
+    assert f"{run_url}/before-lightdist.ckpt is a single-file checkpoint" in message
+    assert "training did not start from step 0 in their place" in message
+
+
+def test_last_with_no_checkpoint_at_all_starts_from_step_0_and_says_so(
+    run_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    fs, path = fsspec.core.url_to_fs(run_url)
+    fs.makedirs(path, exist_ok=True)
+    fs.pipe_file(f"{path}/hparams.yaml", b"lr: 0.001")
+    assert newest_complete_checkpoint([run_url, f"{run_url}/never-made"]) is None
+    assert caplog.messages == [
+        f"lightdist: no checkpoint under {run_url} or {run_url}/never-made: starting from step 0"
+    ]
+
+
+def test_fit_from_last_that_cannot_be_loaded_fails_before_any_process_group_exists(tmp_path: Path) -> None:
+    fake_shards(str(tmp_path / "run" / "epoch=0-step=4.ckpt"))
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ParallelStrategy(),
+        callbacks=[LightningModelCheckpoint(dirpath=tmp_path / "run", every_n_train_steps=2, save_last=True)],
+        logger=False,
+        enable_progress_bar=False,
+    )
+    with pytest.raises(ValueError, match=r"none that can be loaded: .*epoch=0-step=4.ckpt is incomplete"):
+        trainer.fit(MODELS["llama"](learning_rate=1e-3, warmup_steps=2), ckpt_path="last")
+    assert not dist.is_initialized()
 
 
 @pytest.mark.multirank
@@ -130,21 +217,30 @@ def test_an_unusable_checkpoint_location_fails_before_training_with_the_fix(
         "endpoint_url": "http://127.0.0.1:9",
         "config_kwargs": {"retries": {"total_max_attempts": 1}},
     }
-    # The attempt without a profile goes first: storage_options add up in each rank's fsspec configuration.
+    # The attempts without a profile go first: storage_options add up in each rank's fsspec configuration. Those with
+    # ckpt_path="last" meet the problem as they look for checkpoints, before any process group exists.
     attempts = [
-        (f"{url}/run", s3),
-        ("s3://lightdist-no-such-bucket/run", with_profile),
-        (f"{url}/run", unreachable),
-        (str(a_file / "run"), with_profile),
-        (f"{url}/run", with_profile),
+        (f"{url}/run", s3, None),
+        (f"{url}/run", s3, "last"),
+        ("s3://lightdist-no-such-bucket/run", with_profile, "last"),
+        (f"{url}/run", unreachable, None),
+        (f"{url}/run", unreachable, "last"),
+        (str(a_file / "run"), with_profile, None),
+        (f"{url}/run", with_profile, None),
     ]
     outcomes, _ = run_ranks(2, fit_into_each, attempts)
 
-    (no_credentials, steps), (no_bucket, _), (no_endpoint, _), (not_a_directory, _), (fine, trained) = outcomes
+    (no_credentials, steps), (no_credentials_last, _), (no_bucket, _), (no_endpoint, _), (no_endpoint_last, _) = (
+        outcomes[:5]
+    )
+    (not_a_directory, _), (fine, trained) = outcomes[5:]
     assert steps == 0 and "Unable to locate credentials. Set the credentials in the environment" in no_credentials
+    assert no_credentials_last.startswith(f"lightdist cannot look for checkpoints under {url}/run: Unable to locate")
+    assert "Set the credentials in the environment" in no_credentials_last
     assert "Create the bucket 'lightdist-no-such-bucket' first, or correct the URL" in no_bucket
     assert not storage.exists("lightdist-no-such-bucket")  # nothing created on the way
     assert "Check the endpoint (AWS_ENDPOINT_URL, or storage_options' endpoint_url)" in no_endpoint
+    assert "Check the endpoint (AWS_ENDPOINT_URL, or storage_options' endpoint_url)" in no_endpoint_last
     assert "a-file/run" in not_a_directory and "Choose a dirpath these processes can write to" in not_a_directory
     # With the profile the run trains and saves, and the check left nothing behind.
     assert fine is None and trained == 1
@@ -152,13 +248,14 @@ def test_an_unusable_checkpoint_location_fails_before_training_with_the_fix(
     assert [path.rsplit("/", 1)[-1] for path in storage.ls(f"{url.split('://', 1)[1]}/run")] == ["epoch=0-step=1.ckpt"]
 
 
-def fit_into_each(attempts: list[tuple[str, dict]]) -> list[tuple[str | None, int]]:
+def fit_into_each(attempts: list[tuple[str, dict, str | None]]) -> list[tuple[str | None, int]]:
     """Each attempt's error, or None, and the steps it trained."""
     outcomes = []
-    for dirpath, s3_options in attempts:
+    for dirpath, s3_options, resume_from in attempts:
         steps = _Steps()
+        case = Case(strategy={"storage_options": {"s3": s3_options}}, steps=1)
         try:
-            train(Case(strategy={"storage_options": {"s3": s3_options}}, steps=1), 2, [ModelCheckpoint(dirpath), steps])
+            train(case, 2, [ModelCheckpoint(dirpath), steps], resume_from=resume_from)
             outcomes.append((None, steps.count))
         except ValueError as error:
             outcomes.append((str(error), steps.count))

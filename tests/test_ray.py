@@ -22,6 +22,7 @@ import pytest
 import torch
 from fsspec import AbstractFileSystem
 from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightdist.cli import main
 
@@ -132,9 +133,9 @@ class RecordRestart(Callback):
 def test_a_killed_worker_is_restarted_by_ray_and_resumes_from_s3_where_the_run_stood(
     tmp_path: Path, s3_endpoint: str, s3_bucket: tuple[str, AbstractFileSystem]
 ) -> None:
-    """2 workers, ZeRO-3, a checkpoint to moto's S3 after every step; worker 1 SIGKILLed after step 4 of 8 under
-    ``FailureConfig(max_failures=1)``. Ray starts the group again; it resumes from the newest complete checkpoint and
-    ends with the uninterrupted run's losses and weights."""
+    """2 workers, ZeRO-3, a checkpoint to moto's S3 after every step by Lightning's own ``ModelCheckpoint``; worker 1
+    SIGKILLed after step 4 of 8 under ``FailureConfig(max_failures=1)``. Ray starts the group again; it resumes from
+    the newest complete checkpoint and ends with the uninterrupted run's losses and weights."""
     url, _ = s3_bucket
     case = Case(strategy={"zero_stage": 3, "async_checkpoint": "thread"}, steps=8)
     killed, recovered = tmp_path / "killed", tmp_path / "recovered"
@@ -143,7 +144,11 @@ def test_a_killed_worker_is_restarted_by_ray_and_resumes_from_s3_where_the_run_s
         "results": str(tmp_path / "results"),
         # The S3 server's endpoint and credentials: the workers started before this test set them.
         "env": {name: value for name, value in os.environ.items() if name.startswith(("AWS_", "FSSPEC_S3_"))},
-        "callbacks": [keep_two_newest(f"{url}/run"), KillOnce(4, killed), RecordRestart(killed, recovered)],
+        "callbacks": [
+            keep_two_newest(f"{url}/run", kind=ModelCheckpoint),  # Lightning's own, as users configure it
+            KillOnce(4, killed),
+            RecordRestart(killed, recovered),
+        ],
         "resume_from": "last",
     }
     resumed = fit_on_ray(2, config, max_failures=1)
@@ -181,7 +186,8 @@ def test_a_group_that_loses_a_node_comes_back_on_fewer_workers_and_resumes_under
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Elastic Ray Train: ``num_workers=(2, 4)``, 2 CPUs a worker, on the head node and a second node of 4 CPUs each;
-    tp=2 and ZeRO-3, a global batch of 4 windows, a checkpoint to moto's S3 after every step. The second node is
+    tp=2 and ZeRO-3, a global batch of 4 windows, a checkpoint to moto's S3 after every step (Lightning's own
+    ``ModelCheckpoint``). The second node is
     lost after step 4 of 8: Ray starts the group again on the 2 workers left (tp=2 x dp=2 becomes tp=2 x dp=1), which
     resumes from the newest complete checkpoint and ends with the uninterrupted run's losses and weights."""
     url, _ = s3_bucket
@@ -200,7 +206,7 @@ def test_a_group_that_loses_a_node_comes_back_on_fewer_workers_and_resumes_under
         "results": str(tmp_path / "results"),
         "env": {name: value for name, value in os.environ.items() if name.startswith(("AWS_", "FSSPEC_S3_"))},
         "callbacks": [
-            keep_two_newest(f"{url}/run"),
+            keep_two_newest(f"{url}/run", kind=ModelCheckpoint),
             WaitForTheNodeToBeLost(second_node.node_id, 4, waiting),
             RecordRestart(lost, recovered),
         ],

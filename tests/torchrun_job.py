@@ -2,7 +2,10 @@
 
 Rank 0 appends each step's loss and the attempt that computed it to ``RUN_DIR/losses.jsonl``, and the final weights
 go to ``RUN_DIR/final.pt``. Every attempt resumes from ``last``, the newest complete checkpoint at ``CHECKPOINTS`` (any
-fsspec URL), if there is one. The faults, each on the first attempt only:
+fsspec URL), if there is one; as it starts, rank 0 appends the step of the newest complete checkpoint there, read from
+the storage itself, to ``RUN_DIR/starts.jsonl``, so that a test can check the rule without guessing which uploads a
+fault cut short. Checkpoints are saved by lightdist's ``ModelCheckpoint`` every step, or with ``--lightning-checkpoint``
+by Lightning's own, as users configure it, every ``--every`` steps. The faults, each on the first attempt only:
 
 - ``--kill-at N``: rank 1 SIGKILLs itself after optimizer step N, as the kernel ends a process out of memory;
 - ``--storage-down FILE --down-steps A B``: rank 0 creates FILE as step A starts and removes it as step B starts; the
@@ -22,10 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import posixpath
 import signal
 import time
 from pathlib import Path
 
+import fsspec
+import lightning.pytorch.callbacks
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -75,9 +81,33 @@ class Chaos(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def newest_complete_step(url: str) -> int:
+    """The step of the newest checkpoint under ``url`` that has its COMPLETE manifest; 0 where there is none."""
+    storage, path = fsspec.core.url_to_fs(url)
+    steps = []
+    for manifest in storage.glob(f"{path}/**/COMPLETE"):
+        with storage.open(posixpath.join(posixpath.dirname(manifest), "meta.pt"), "rb") as meta:
+            steps.append(torch.load(meta)["global_step"])
+    return max(steps, default=0)
+
+
 def main(options: argparse.Namespace) -> None:
     if ATTEMPT > 0 and options.storage_down is not None:
         options.storage_down.unlink(missing_ok=True)  # the storage is back by the time the job restarts
+    if os.environ["RANK"] == "0":
+        with (options.run / "starts.jsonl").open("a") as record:
+            start = {
+                "attempt": ATTEMPT,
+                "world_size": WORLD_SIZE,
+                "newest_complete": newest_complete_step(options.checkpoints),
+            }
+            record.write(json.dumps(start) + "\n")
+    if options.lightning_checkpoint:
+        checkpoints = lightning.pytorch.callbacks.ModelCheckpoint(
+            dirpath=options.checkpoints, every_n_train_steps=options.every, save_last=True
+        )
+    else:
+        checkpoints = ModelCheckpoint(dirpath=options.checkpoints, every_n_train_steps=1, save_last=True)
     seed_everything(1234, workers=True)
     # botocore tries each request twice rather than five times: an outage fails a save in seconds, not minutes.
     retries = {"s3": {"config_kwargs": {"retries": {"total_max_attempts": 2}}}}
@@ -90,7 +120,7 @@ def main(options: argparse.Namespace) -> None:
         ),
         max_steps=8,
         precision="32-true",
-        callbacks=[Chaos(options), ModelCheckpoint(dirpath=options.checkpoints, every_n_train_steps=1, save_last=True)],
+        callbacks=[Chaos(options), checkpoints],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -114,4 +144,6 @@ if __name__ == "__main__":
     parser.add_argument("--nan-at", type=int, default=-1)
     parser.add_argument("--storage-down", type=Path)
     parser.add_argument("--down-steps", type=int, nargs=2)
+    parser.add_argument("--lightning-checkpoint", action="store_true")
+    parser.add_argument("--every", type=int, default=2)
     main(parser.parse_args())

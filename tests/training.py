@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from fsspec import AbstractFileSystem
 from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -258,9 +260,10 @@ def listing(storage: AbstractFileSystem, run: str) -> dict[str, list[str]]:
     return found
 
 
-def keep_two_newest(run: str) -> ModelCheckpoint:
-    """Saves to ``run`` every step, keeping the two newest checkpoints and ``last.ckpt``."""
-    return ModelCheckpoint(dirpath=run, every_n_train_steps=1, save_top_k=2, monitor="step", mode="max", save_last=True)
+def keep_two_newest(run: str, kind: type[LightningModelCheckpoint] = ModelCheckpoint) -> LightningModelCheckpoint:
+    """Saves to ``run`` every step, keeping the two newest checkpoints and ``last.ckpt``: lightdist's callback, or
+    ``kind=LightningModelCheckpoint``, Lightning's own, as users configure it."""
+    return kind(dirpath=run, every_n_train_steps=1, save_top_k=2, monitor="step", mode="max", save_last=True)
 
 
 class StopAfter(Callback):
@@ -310,7 +313,7 @@ def train(
         num_sanity_val_steps=0,
         callbacks=[TrainingMonitor(log_every_n_steps=1), _RecordLosses(result), _CountValidationWindows(), *callbacks],
         logger=False,
-        enable_checkpointing=any(isinstance(callback, ModelCheckpoint) for callback in callbacks),
+        enable_checkpointing=any(isinstance(callback, Checkpoint) for callback in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
     )

@@ -1,0 +1,166 @@
+"""Resume with the checkpoint callback users already have: under ``ParallelStrategy``, Lightning's own
+``ModelCheckpoint`` (or a subclass of it) saves and resumes as lightdist's does, and ``ckpt_path="last"`` is the
+newest complete checkpoint at its dirpath, on a local disk, S3 and GCS alike, or an error where none can be loaded:
+never a silent start from step 0."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+import fsspec
+import pytest
+import yaml
+from fsspec import AbstractFileSystem
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import lightdist.plugins
+from lightdist.cli import main
+from lightdist.plugins.checkpoint import adopt_checkpoint_callbacks
+
+from multirank import run_each, run_ranks
+from training import Case, Result, StopAfter, checkpoint_files, listing, train
+
+
+class EveryOtherStep(ModelCheckpoint):
+    """A user's own subclass of Lightning's callback, with its own defaults and one override of its own."""
+
+    def __init__(self, dirpath: str) -> None:
+        super().__init__(dirpath=dirpath, every_n_train_steps=2, save_last=True)
+
+    def format_checkpoint_name(self, metrics, filename=None, ver=None, prefix=None) -> str:
+        return super().format_checkpoint_name(metrics, filename, ver, prefix).replace("epoch=0-", "")
+
+
+def test_a_users_lightning_callback_gains_lightdists_behaviour_and_keeps_its_own_overrides_and_state_key() -> None:
+    lightnings, users, lightdists = ModelCheckpoint("run"), EveryOtherStep("run"), lightdist.plugins.ModelCheckpoint()
+    state_keys = [callback.state_key for callback in (lightnings, users)]
+    trainer = SimpleNamespace(callbacks=[lightnings, users, lightdists])
+    adopt_checkpoint_callbacks(trainer)
+    adopt_checkpoint_callbacks(trainer)  # every fit adopts them again: nothing changes the second time
+
+    assert type(lightnings) is lightdist.plugins.ModelCheckpoint
+    assert isinstance(users, EveryOtherStep) and isinstance(users, lightdist.plugins.ModelCheckpoint)
+    assert type(users).__mro__[1:3] == (EveryOtherStep, lightdist.plugins.ModelCheckpoint)  # the user's override first
+    assert type(lightdists) is lightdist.plugins.ModelCheckpoint
+    # The state key holds the class's name: checkpoints saved before or elsewhere restore the callback's state.
+    assert [callback.state_key for callback in (lightnings, users)] == state_keys
+    assert type(EveryOtherStep("elsewhere")) is EveryOtherStep  # other instances, under other strategies, untouched
+
+
+STORAGES = ["local", "s3", "gcs"]
+
+
+def preempted_then_run_again(
+    case: Case, dirpath: str, callback: Callable[[str], ModelCheckpoint]
+) -> tuple[Result, Result]:
+    """The same script twice with ``fit(ckpt_path="last")``: stopped after step 4, as a preempted job is, then run
+    to the end."""
+    first = train(case, devices=2, callbacks=[StopAfter(4), callback(dirpath)], resume_from="last")
+    return first, train(case, devices=2, callbacks=[callback(dirpath)], resume_from="last")
+
+
+def every_other_step(dirpath: str) -> ModelCheckpoint:
+    return ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_last=True)
+
+
+@pytest.mark.multirank
+def test_lightnings_callback_resumes_from_last_on_local_disk_s3_and_gcs(
+    tmp_path: Path,
+    s3_bucket: tuple[str, AbstractFileSystem],
+    gcs_bucket: tuple[str, AbstractFileSystem],
+    capfd: pytest.CaptureFixture,
+) -> None:
+    """2 data-parallel ranks, ZeRO-3, background saves every 2 steps by Lightning's ``ModelCheckpoint``
+    (on GCS by a user's subclass of it). Each second run resumes step 4 and ends with the uninterrupted run's losses."""
+    (s3, s3_storage), (gcs, gcs_storage) = s3_bucket, gcs_bucket
+    runs = {"local": str(tmp_path / "run"), "s3": f"{s3}/run", "gcs": f"{gcs}/run"}
+    callbacks = {"local": every_other_step, "s3": every_other_step, "gcs": EveryOtherStep}
+    case = Case(strategy={"zero_stage": 3, "async_checkpoint": "thread"}, steps=6, batch_size=2)
+    calls = [(train, (case, 2))]
+    calls += [(preempted_then_run_again, (case, runs[name], callbacks[name])) for name in STORAGES]
+    (uninterrupted, *preempted), _ = run_ranks(2, run_each, calls)
+
+    printed = capfd.readouterr().err
+    assert "no last checkpoint available" not in printed
+    for name, (first, second) in zip(STORAGES, preempted, strict=True):
+        assert first.losses == pytest.approx(uninterrupted.losses[:4], rel=1e-5), name
+        assert second.losses == pytest.approx(uninterrupted.losses[4:], rel=1e-5), name
+        assert f"lightdist: no checkpoint under {runs[name]}: starting from step 0" in printed
+        step_4 = f"{runs[name]}/epoch=0-step=4.ckpt" if name != "gcs" else f"{runs[name]}/step=4.ckpt"
+        assert f"lightdist: resuming from {step_4} (step 4), the newest complete checkpoint" in printed
+    # last.ckpt names step 6, and Lightning's save_top_k=1 removed step 4 once step 6 was complete.
+    for name, storage in (("local", fsspec.filesystem("file")), ("s3", s3_storage), ("gcs", gcs_storage)):
+        newest = "epoch=0-step=6.ckpt" if name != "gcs" else "step=6.ckpt"
+        url = runs[name] if "://" in runs[name] else f"file://{runs[name]}"
+        assert listing(storage, url) == {newest: checkpoint_files(2), "last.ckpt": [newest]}, name
+
+
+class RecordLosses(Callback):
+    """Rank 0 appends each step's loss to ``path``: what a LightningCLI run leaves for a test to read."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item()
+        if trainer.is_global_zero:
+            with open(self.path, "a") as record:
+                record.write(f"{loss}\n")
+
+
+def config(workdir: Path, name: str, *extra_callbacks: dict) -> str:
+    """A LightningCLI config as users write one, naming Lightning's own checkpoint callback; each step's loss goes to
+    ``workdir/losses``."""
+    written = {
+        "seed_everything": 1234,
+        "ckpt_path": "last",
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 2,
+            "strategy": {"class_path": "lightdist.plugins.ParallelStrategy", "init_args": {"zero_stage": 3}},
+            "precision": "32-true",
+            "max_steps": 6,
+            "default_root_dir": str(workdir),  # where LightningCLI saves the config it ran
+            "logger": False,
+            "enable_progress_bar": False,
+            "callbacks": [
+                {
+                    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                    "init_args": {"dirpath": str(workdir / "checkpoints"), "every_n_train_steps": 2, "save_last": True},
+                },
+                {"class_path": f"{__name__}.RecordLosses", "init_args": {"path": str(workdir / "losses")}},
+                *extra_callbacks,
+            ],
+        },
+        "model": {"class_path": "lightdist.models.Llama", "init_args": {"preset": "tiny", "warmup_steps": 2}},
+        "data": {
+            "class_path": "lightdist.models.TokenDataModule",
+            "init_args": {"seq_len": 32, "batch_size": 2, "synthetic_tokens": 16384},
+        },
+    }
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(written))
+    return str(path)
+
+
+@pytest.mark.multirank
+def test_a_lightningcli_config_naming_lightnings_callback_resumes_from_last(tmp_path: Path) -> None:
+    """``lightdist fit --config`` twice with the same config, the first run preempted after step 4: the second
+    continues the losses of one uninterrupted run of it."""
+    uninterrupted, preempted = tmp_path / "uninterrupted", tmp_path / "preempted"
+    uninterrupted.mkdir()
+    preempted.mkdir()
+    stop_after_4 = {"class_path": "training.StopAfter", "init_args": {"steps": 4}}
+    runs = [
+        config(uninterrupted, "train"),
+        config(preempted, "train_until_preempted", stop_after_4),
+        config(preempted, "train"),
+    ]
+    run_ranks(2, run_each, [(main, (["fit", "--config", run],)) for run in runs])
+    losses = [float(line) for line in (uninterrupted / "losses").read_text().split()]
+    resumed = [float(line) for line in (preempted / "losses").read_text().split()]
+    assert len(losses) == 6
+    assert resumed == pytest.approx(losses, rel=1e-5)
