@@ -23,7 +23,7 @@ from lightdist.plugins import ModelCheckpoint, ParallelStrategy
 from lightdist.plugins.resume import newest_complete_checkpoint
 from lightdist.storage import UnsafeCheckpointError, commit, remove, resolve, saved_model_tensors, write_pointer
 
-from multirank import run_ranks
+from multirank import raised, run_ranks
 from training import MODELS, Case, Result, StopAfter, train
 
 
@@ -151,6 +151,37 @@ def test_fit_from_last_that_cannot_be_loaded_fails_before_any_process_group_exis
     with pytest.raises(ValueError, match=r"none that can be loaded: .*epoch=0-step=4.ckpt is incomplete"):
         trainer.fit(MODELS["llama"](learning_rate=1e-3, warmup_steps=2), ckpt_path="last")
     assert not dist.is_initialized()
+
+
+@pytest.mark.multirank
+def test_ranks_whose_storage_shows_different_last_checkpoints_stop_rather_than_hang(tmp_path: Path) -> None:
+    """A rank that found no checkpoint would not join the others' load: every rank fails, naming what each saw."""
+    errors = run_ranks(2, fit_from_last_as_each_rank_sees_it, tmp_path)
+    seen = f"rank 0: {tmp_path}/rank0/epoch=0-step=2.ckpt, rank 1: none"
+    assert (
+        errors == [f"RuntimeError: ckpt_path='last' found a checkpoint on some ranks and none on others ({seen})"] * 2
+    )
+
+
+def fit_from_last_as_each_rank_sees_it(run: Path) -> str:
+    """Rank 0 finds a complete checkpoint, rank 1 an empty folder: what a stale listing cache shows another node."""
+    rank = int(os.environ["RANK"])
+    if rank == 0:
+        complete(str(run / "rank0" / "epoch=0-step=2.ckpt"), step=2)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ParallelStrategy(),
+        callbacks=[LightningModelCheckpoint(dirpath=run / f"rank{rank}")],
+        logger=False,
+        enable_progress_bar=False,
+    )
+    error = raised(fit_from_last, trainer, MODELS["llama"](learning_rate=1e-3, warmup_steps=2))
+    return error.split("): ")[0] + ")"
+
+
+def fit_from_last(trainer: Trainer, model: LightningModule) -> None:
+    trainer.fit(model, ckpt_path="last")
 
 
 @pytest.mark.multirank
