@@ -1,12 +1,14 @@
 """Pipeline parallelism for a model nobody cut into stages: cut it by its structure, run torch's schedules over it.
 
 Each pipeline rank keeps its contiguous share of the decoder blocks; the first also keeps the embeddings, the last the
-final norm and LM head. The model's own ``forward`` still runs whole on every stage, so whatever it computes around
-the blocks (positions, masks, rotary tables) is computed as usual, but:
+final norm and LM head. The forward of the module the training step calls (the LightningModule, or the network it
+holds, ``self.model``) runs on every stage, so whatever it computes around the blocks (positions, masks, rotary
+tables) is computed as usual, but:
 
 - on later stages the embeddings are placeholders without weights, and the stage's first block takes the activation
   received from the previous stage instead of what the placeholders produced;
-- on earlier stages the norm and head are pass-throughs, and the stage's output is its last block's output.
+- earlier stages stop after their last block, whose output is the stage's: what the forward does after the blocks
+  (the norm, the head, a loss from ``labels``) runs on the last stage alone.
 
 Blocks keep their names (``model.layers.5`` stays ``model.layers.5`` on the second stage), so checkpoints are keyed
 as without a pipeline.
@@ -16,16 +18,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from lightdist.structure import DecoderStack
 
 __all__ = [
+    "ModelCall",
     "StageModel",
     "balanced_split",
     "grad_norm_across_stages",
@@ -136,8 +140,30 @@ class _EmbeddingPlaceholder(nn.Module):
         return torch.zeros(*indices.shape, self.embedding_dim, device=indices.device)
 
 
+class ModelCall(NamedTuple):
+    """The call a training step makes to the model: of the module at ``path`` in the LightningModule (``""``: the
+    LightningModule itself), with ``args`` and ``kwargs``."""
+
+    path: str
+    args: tuple
+    kwargs: dict
+
+
+_TENSOR = object()  # where a tensor stood in the last stage's output
+
+
+def _not_a_view(tensor: Tensor) -> Tensor:
+    # A view (to_local's, a head's) would let an in-place op drop FSDP's pre-backward hook on the stage.
+    return tensor.clone() if tensor._base is not None else tensor
+
+
+class _StageEnd(Exception):
+    """Raised after an earlier stage's last block: the rest of the forward belongs to later stages."""
+
+
 class _PassThrough(nn.Module):
-    """Stands in for the final norm and LM head on earlier stages, whose output is taken at their last block."""
+    """Stands in, without weights, for the final norm and LM head on earlier stages, which stop at their last block
+    before reaching it."""
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         return x
@@ -221,25 +247,45 @@ class StageModel(nn.Module):
         }
         self._incoming: Tensor | None = None
         self._outgoing: Tensor | None = None
+        self._output_structure: tuple[TreeSpec, list[Any]] | None = None
         blocks[0].register_forward_pre_hook(self._take_incoming, with_kwargs=True)
         blocks[-1].register_forward_hook(self._keep_outgoing)
+        self._stop_hook_due = not last
 
-    def forward(self, *incoming: Tensor, lightdist_model_call: tuple[tuple, dict]) -> Any:
-        """The model's forward on ``lightdist_model_call``'s arguments as this stage; ``incoming``: the previous
-        stage's output."""
+    def forward(self, *incoming: Tensor, lightdist_model_call: ModelCall) -> Any:
+        """The called module's forward on ``lightdist_model_call``'s arguments as this stage; ``incoming``: the
+        previous stage's output."""
+        if self._stop_hook_due:
+            # Registered at the first forward, after FSDP's and activation checkpointing's hooks on the block: theirs
+            # must run on its output before the forward is cut short.
+            self.blocks[-1].register_forward_hook(self._stop)
+            self._stop_hook_due = False
         self._incoming = incoming[0] if incoming else None
-        args, kwargs = lightdist_model_call
+        called = self.model.get_submodule(lightdist_model_call.path)
         try:
             with self.stack.running(list(self.blocks)), self._standing_in():
-                output = type(self.model).forward(self.model, *args, **kwargs)
+                output = type(called).forward(called, *lightdist_model_call.args, **lightdist_model_call.kwargs)
+        except _StageEnd:
+            output = None
         finally:
             self._incoming = None
         if not self.last:
             output, self._outgoing = self._outgoing, None
             if isinstance(output, DTensor):
                 output = output.to_local()
-        # A view (to_local's, a head's) would let an in-place op drop FSDP's pre-backward hook on the stage.
-        return output.clone() if isinstance(output, Tensor) and output._base is not None else output
+            return _not_a_view(output)
+        # torch's stages hand on tensors only: the last one's output (a tuple, a dict, a Hugging Face ModelOutput with
+        # a cache in it) leaves as its tensors, and the step gets it back whole from ``whole_output``.
+        leaves, spec = tree_flatten(output)
+        self._output_structure = (spec, [_TENSOR if isinstance(leaf, Tensor) else leaf for leaf in leaves])
+        return tuple(_not_a_view(leaf) for leaf in leaves if isinstance(leaf, Tensor))
+
+    def whole_output(self, tensors: Tensor | tuple[Tensor, ...]) -> Any:
+        """The called module's output, as the last stage's last forward returned it, with ``tensors`` (those it
+        handed on, or merged over microbatches; torch's schedules unpack a single one) in place of its own."""
+        spec, leaves = self._output_structure
+        given = iter((tensors,) if isinstance(tensors, Tensor) else tensors)
+        return tree_unflatten([next(given) if leaf is _TENSOR else leaf for leaf in leaves], spec)
 
     @contextmanager
     def _standing_in(self) -> Iterator[None]:
@@ -264,6 +310,9 @@ class StageModel(nn.Module):
                 "(pipeline_tracer=True)."
             )
         return (self.as_stream(self._incoming), *args[1:]), kwargs
+
+    def _stop(self, block: nn.Module, args: tuple, output: Any) -> None:
+        raise _StageEnd
 
     def _keep_outgoing(self, block: nn.Module, args: tuple, output: Any) -> None:
         if isinstance(output, tuple):

@@ -28,6 +28,13 @@ class DecoderStack:
         """Whether ``module_name`` (a name in the model) is the stack or inside it."""
         return module_name == self.name or module_name.startswith(self.name + ".")
 
+    @property
+    def enclosing(self) -> list[str]:
+        """Names of the modules around the stack, the model itself (``""``) first: what a training step may call as
+        the model (``self(x)``, ``self.model(x)``, ``self.model.model(x)`` for ``model.model.layers``)."""
+        parts = self.name.split(".")[:-1]
+        return ["", *(".".join(parts[: depth + 1]) for depth in range(len(parts)))]
+
 
 def _num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())

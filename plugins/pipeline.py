@@ -35,6 +35,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 
+from lightdist.pipeline import ModelCall
 from lightdist.plugins.metric_sync import load_metric_states, metric_states, metrics_of
 
 __all__ = ["PipelineStep", "StageClock", "TiedGradients", "model_call_of"]
@@ -104,48 +105,62 @@ class StageClock:
 
 
 class _ModelCalled(Exception):
-    def __init__(self, args: tuple, kwargs: dict) -> None:
+    def __init__(self, call: ModelCall) -> None:
         super().__init__("the model was called")
-        self.args, self.kwargs = args, kwargs
+        self.call = call
 
 
 def model_call_of(
-    module: LightningModule, step: Callable[[Any], Any], batch: Any, metrics: dict[str, Metric]
-) -> tuple[tuple, dict]:
-    """The arguments ``step`` (the user's step on one batch) calls ``module`` with, learned by running the step up to
-    that call. What it logs or adds to ``metrics`` on the way is dropped."""
+    module: LightningModule,
+    step: Callable[[Any], Any],
+    batch: Any,
+    metrics: dict[str, Metric],
+    callable_as_model: list[str],
+) -> ModelCall:
+    """The call ``step`` (the user's step on one batch) makes to the model, learned by running the step up to that
+    call: the first call of ``module`` or of a module it holds named in ``callable_as_model`` (``""``: ``module``
+    itself). What the step logs or adds to ``metrics`` on the way is dropped."""
 
-    def called(*args: Any, **kwargs: Any) -> None:
-        raise _ModelCalled(args, kwargs)
+    def called_at(path: str) -> Callable[..., None]:
+        def called(*args: Any, **kwargs: Any) -> None:
+            raise _ModelCalled(ModelCall(path, args, kwargs))
 
-    with answering_model_calls(module, called, log=None, metrics=metrics):
+        return called
+
+    with answering_model_calls(module, {path: called_at(path) for path in callable_as_model}, metrics=metrics):
         try:
             step(batch)
-        except _ModelCalled as call:
-            return call.args, call.kwargs
+        except _ModelCalled as called:
+            return called.call
+    calls = " or ".join(f"`self.{path}(...)`" if path else "`self(...)`" for path in callable_as_model)
     raise RuntimeError(
-        f"{type(module).__name__}'s step never called the model (`self(...)`), so pipeline parallelism "
-        "cannot tell what enters the first stage. Call the model from your step, e.g. `logits = self(x)`."
+        f"{type(module).__name__}'s step never called the model ({calls}), so pipeline parallelism cannot tell what "
+        "enters the first stage. Call the model from your step, e.g. `logits = self(x)`."
     )
 
 
 @contextmanager
 def answering_model_calls(
     module: LightningModule,
-    model_call: Callable[..., Any],
+    answers: dict[str, Callable[..., Any]],
     *,
-    log: Callable[..., None] | None,
+    log: Callable[..., None] | None = None,
     metrics: dict[str, Metric],
 ) -> Iterator[None]:
-    """Within, ``module``'s model calls return ``model_call``'s answer and its ``self.log`` calls go to ``log``; with
-    ``log=None`` they and what the step adds to ``metrics`` are dropped."""
+    """Within, a call of the module at each path of ``answers`` (in ``module``; ``""``: ``module`` itself) returns
+    its answer, and ``module``'s ``self.log`` calls go to ``log``; with ``log=None`` they and what the step adds to
+    ``metrics`` are dropped."""
     saved_metrics = metric_states(metrics) if log is None else None
-    module.forward = model_call
+    answering = [(module.get_submodule(path), answer) for path, answer in answers.items()]
+    for called, answer in answering:
+        called.forward = answer
     module.log = log or (lambda *args, **kwargs: None)
     try:
         yield
     finally:
-        del module.forward, module.log
+        for called, _ in answering:
+            del called.forward
+        del module.log
         if saved_metrics is not None:
             load_metric_states(metrics, saved_metrics)
 
@@ -160,12 +175,22 @@ class PipelineStep:
         schedule_class: type[PipelineScheduleSingle | PipelineScheduleMulti],
         microbatches: int,
         *,
+        callable_as_model: list[str],
+        sequence_shards: int = 1,
         tied: TiedGradients | None = None,
         traced_input: Callable[[tuple[tuple, dict]], tuple] | None = None,
     ) -> None:
-        """``traced_input``: for stages cut by the tracer, the first stage's positional inputs from the model call's
-        (args, kwargs); without it, every stage gets the call as ``StageModel`` expects."""
+        """``callable_as_model``: the modules (by name in ``module``, ``""`` for itself) whose call by the step is
+        the model call that enters the first stage. ``sequence_shards``: the tensor-parallel ranks each stage hands its
+        share of the sequence to the next (sequence parallelism), 1 without. ``traced_input``: for stages cut by the
+        tracer, the first stage's positional inputs from the model call; without it, every stage gets the call as
+        ``StageModel`` expects."""
         self.module, self.microbatches, self.tied, self.traced_input = module, microbatches, tied, traced_input
+        self.callable_as_model, self.sequence_shards = callable_as_model, sequence_shards
+        last = [stage.submod for stage in stages if stage.is_last]
+        # The model call's answer on the last stage, whole (structure-cut stages hand on the output's tensors only).
+        self._whole_output = last[0].whole_output if last and traced_input is None else lambda output: output
+        self._called = ""  # the module the step calls as the model, learned with each batch's call
         self.pp_group, self.last = stages[0].group, any(stage.is_last for stage in stages)
         self._last_stage = dist.get_world_size(self.pp_group) - 1  # the last stage is on the pp group's last rank
         # The schedule's own scaling divides every gradient by the microbatch count after each step, also those
@@ -219,11 +244,9 @@ class PipelineStep:
         outputs = self._run(self.schedule.eval, batch, [], return_outputs=True)
         result = None
         if self.last:
-            self.module.forward = lambda *args, **kwargs: outputs
-            try:
+            outputs = self._whole_output(outputs)
+            with answering_model_calls(self.module, {self._called: lambda *args, **kwargs: outputs}, metrics={}):
                 result = step(batch)
-            finally:
-                del self.module.forward
         shared = [result]
         dist.broadcast_object_list(shared, group_src=self._last_stage, group=self.pp_group)
         return shared[0]
@@ -235,6 +258,7 @@ class PipelineStep:
         their first dimension.
         """
         call = self._model_call(batch)
+        self._called = call.path
         sizes: set[int] = set()
         apply_to_collection(call, Tensor, lambda tensor: sizes.add(tensor.shape[0] if tensor.dim() else 0))
         if len(sizes) != 1 or 0 in sizes:
@@ -244,6 +268,16 @@ class PipelineStep:
                 "per-example tensors with the batch first, e.g. `self(tokens, attention_mask)`."
             )
         (batch_size,) = sizes
+        lengths: set[int] = set()
+        apply_to_collection(call, Tensor, lambda tensor: lengths.add(tensor.shape[1]) if tensor.dim() > 1 else None)
+        if uneven := sorted(length for length in lengths if length % self.sequence_shards):
+            shards = self.sequence_shards
+            raise ValueError(
+                f"Sequence parallelism hands the next pipeline stage each of the {shards} tensor-parallel ranks' "
+                f"equal share of the sequence, but the model is called with sequences of {uneven[0]} positions. "
+                f"Call it with sequences of a multiple of {shards} (e.g. the window's first T tokens as inputs), "
+                "or pass sequence_parallel=False."
+            )
         if batch_size % self.microbatches:
             raise ValueError(
                 f"microbatches={self.microbatches} does not divide the batch of {batch_size} on each "
@@ -252,7 +286,7 @@ class PipelineStep:
         if self.traced_input is None:
             inputs, stage_kwargs = (), {"lightdist_model_call": call}
         else:
-            inputs, stage_kwargs = self.traced_input(call), {}
+            inputs, stage_kwargs = self.traced_input((call.args, call.kwargs)), {}
         try:
             return run(
                 *inputs,
@@ -274,23 +308,24 @@ class PipelineStep:
         if self._step is None:  # predicting: the schedule computes outputs only
             return torch.zeros((), device=self.module.device)
         learning_shapes, self._learning_gradient_shapes = self._learning_gradient_shapes, False
+        whole = self._whole_output(output)
         with (
             self.clock.timing("busy"),
-            self._calling_user_step(lambda *args, **kwargs: output, leave_no_trace=learning_shapes),
+            self._calling_user_step(lambda *args, **kwargs: whole, leave_no_trace=learning_shapes),
         ):
             result = self._step(microbatch)
         return (result["loss"] if isinstance(result, Mapping) else result) * self._loss_scale
 
-    def _model_call(self, batch: Any) -> tuple[tuple, dict]:
-        return model_call_of(self.module, self._step_for_input or self._step, batch, self.metrics)
+    def _model_call(self, batch: Any) -> ModelCall:
+        step = self._step_for_input or self._step
+        return model_call_of(self.module, step, batch, self.metrics, self.callable_as_model)
 
     @contextmanager
     def _calling_user_step(self, model_call: Callable[..., Any], *, leave_no_trace: bool) -> Iterator[None]:
         """Within, the user's step gets ``model_call``'s answer from the model, and what it logs is kept for
         ``_share_logs_and_metrics``; with ``leave_no_trace``, what it logs and adds to metrics is dropped instead."""
-        with answering_model_calls(
-            self.module, model_call, log=None if leave_no_trace else self._record_log, metrics=self.metrics
-        ):
+        log = None if leave_no_trace else self._record_log
+        with answering_model_calls(self.module, {self._called: model_call}, log=log, metrics=self.metrics):
             yield
 
     def _record_log(self, name: str, value: Any, **options: Any) -> None:

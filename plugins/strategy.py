@@ -889,7 +889,7 @@ class ParallelStrategy(ModelParallelStrategy):
         else:
             for stage in stages:
                 self._shard_stage(stage, stage.blocks)
-            self._pipeline_step = self._pipeline_step_over(module, stages)
+            self._pipeline_step = self._pipeline_step_over(module, stages, stack.enclosing)
         self._parallel_root = root
         return root
 
@@ -913,7 +913,7 @@ class ParallelStrategy(ModelParallelStrategy):
             self._shard_stage(stage, blocks)
         adopt_parameters(module, stages)
         traced_input = TracedInput(module.forward, example, self._microbatches or self.layout.pp)
-        self._pipeline_step = self._pipeline_step_over(module, stages, traced_input=traced_input)
+        self._pipeline_step = self._pipeline_step_over(module, stages, [""], traced_input=traced_input)
         self._parallel_root = _ParallelRoot(module)
         return self._parallel_root
 
@@ -930,9 +930,9 @@ class ParallelStrategy(ModelParallelStrategy):
         batch, _, _ = next(iter(CombinedLoader(loop._data_source.dataloader(), "sequential")))
         batch = module._apply_batch_transfer_handler(batch, next(module.parameters()).device)
         step = getattr(type(module), step_name)
-        args, kwargs = model_call_of(module, lambda whole: step(module, whole, 0), batch, metrics_of(module))
+        call = model_call_of(module, lambda whole: step(module, whole, 0), batch, metrics_of(module), [""])
         microbatches = self._microbatches or self.layout.pp
-        return apply_to_collection((args, kwargs), Tensor, lambda t: t[: max(len(t) // microbatches, 1)])
+        return apply_to_collection((call.args, call.kwargs), Tensor, lambda t: t[: max(len(t) // microbatches, 1)])
 
     def _checkpoint_activations(self, blocks: Iterable[nn.Module]) -> None:
         if self._activation_checkpointing is not None:
@@ -958,6 +958,7 @@ class ParallelStrategy(ModelParallelStrategy):
         self,
         module: pl.LightningModule,
         stages: list[nn.Module],
+        callable_as_model: list[str],
         traced_input: Callable[[tuple[tuple, dict]], tuple] | None = None,
     ) -> PipelineStep:
         pp_mesh = self.device_mesh["pp"]
@@ -970,6 +971,8 @@ class ParallelStrategy(ModelParallelStrategy):
             ],
             _SCHEDULES[self._pipeline_schedule],
             self._microbatches or self.layout.pp,
+            callable_as_model=callable_as_model,
+            sequence_shards=self.layout.tp if self._sequence_parallel else 1,
             tied=self._tied_across_stages(module),
             traced_input=traced_input,
         )

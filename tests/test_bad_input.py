@@ -12,13 +12,13 @@ from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 
 from lightdist.models import Llama, TokenDataModule
-from lightdist.pipeline import StageModel, keep_stages
+from lightdist.pipeline import ModelCall, StageModel, keep_stages
 from lightdist.plugins import ParallelStrategy
 from lightdist.plugins.metric_sync import refuse_metrics_on_meta
 from lightdist.structure import find_decoder_stack
 
 from multirank import raised, run_each, run_ranks
-from training import TwoStreamLM
+from training import MODELS, TwoStreamLM
 
 
 def test_world_size_must_equal_the_product_of_the_degrees() -> None:
@@ -127,6 +127,26 @@ def test_pipelines_that_cannot_be_cut_or_fed(errors_on_two_ranks: dict[str, str]
     assert re.search(message, errors_on_two_ranks[name])
 
 
+@pytest.mark.multirank
+def test_sequence_parallel_stages_need_sequences_that_split_over_the_tensor_parallel_ranks() -> None:
+    """A Hugging Face model given the whole 33-token window (it shifts its labels itself): each stage would hand
+    the next unequal shares of the sequence, which gloo answers by aborting the process."""
+    errors = run_ranks(4, raised, fit_labels_model_in_pp2_tp2)
+    message = (
+        "ValueError: Sequence parallelism hands the next pipeline stage each of the 2 tensor-parallel ranks' equal "
+        "share of the sequence, but the model is called with sequences of 33 positions. Call it with sequences of a "
+        "multiple of 2 (e.g. the window's first T tokens as inputs), or pass sequence_parallel=False."
+    )
+    assert errors == [message] * 4
+
+
+def fit_labels_model_in_pp2_tp2() -> None:
+    strategy = ParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2)
+    trainer = Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=1, logger=False)
+    data = TokenDataModule(seq_len=32, batch_size=4, val_fraction=0.0, synthetic_tokens=4096)
+    trainer.fit(MODELS["zoo_hf_llama_labels"](learning_rate=1e-3, warmup_steps=2), datamodule=data)
+
+
 class _SharedMaskLlama(Llama):
     """Passes the model a mask without a batch dimension, which cannot be cut into microbatches."""
 
@@ -157,7 +177,7 @@ def test_pipeline_refuses_blocks_that_pass_two_streams_on() -> None:
     with pytest.raises(
         ValueError, match=r"_TwoStreamBlock returns 2 tensors shaped like its hidden states \(2, 4, 8\)"
     ) as raised_error:
-        first_stage(lightdist_model_call=((torch.zeros(2, 4, dtype=torch.long),), {}))
+        first_stage(lightdist_model_call=ModelCall("", (torch.zeros(2, 4, dtype=torch.long),), {}))
     assert "cut the stages with torch's tracer, which hands on every value (pipeline_tracer=True)" in str(
         raised_error.value
     )
@@ -195,7 +215,7 @@ def test_pipeline_needs_blocks_that_take_the_hidden_states_first() -> None:
     with pytest.raises(
         ValueError, match=r"calls its blocks by keyword only. Call them with the hidden states first"
     ) as raised_error:
-        second_stage(received, lightdist_model_call=((torch.zeros(2, 4, dtype=torch.long),), {}))
+        second_stage(received, lightdist_model_call=ModelCall("", (torch.zeros(2, 4, dtype=torch.long),), {}))
     assert "(pipeline_tracer=True)" in str(raised_error.value)
 
 

@@ -64,6 +64,33 @@ CASES = {
             gradient_clip_val=0.1,
             validate=True,
         ),
+        # Third-party model code, the step calling the network it holds (tests/zoo.py): nanoGPT's `logits, loss =
+        # self.model(x, y)` with its head tied across the stages; Hugging Face models computing their own loss from
+        # labels, returning .logits to the step's loss, and called as base model then head
+        "zoo_nanogpt_zero3": Case(strategy=dict(zero_stage=3), model="zoo_nanogpt"),
+        "zoo_hf_gpt2_labels_zero2_clip": Case(
+            strategy=dict(zero_stage=2), model="zoo_hf_gpt2_labels", gradient_clip_val=0.1
+        ),
+        "zoo_nanogpt_pp2_tuple_tied_clip": Case(
+            strategy=dict(PP2, microbatches=4), model="zoo_nanogpt", gradient_clip_val=0.1
+        ),
+        "zoo_hf_llama_pp2_labels_full_checkpointing": Case(
+            strategy=dict(PP2, activation_checkpointing="full"), model="zoo_hf_llama_labels"
+        ),
+        "zoo_hf_qwen2_pp2_logits_interleaved": Case(
+            strategy=dict(PP2, pipeline_schedule="interleaved_1f1b", microbatches=4), model="zoo_hf_qwen2_logits"
+        ),
+        "zoo_hf_gpt2_pp2_conv1d_tied_labels_zero_bubble_accumulate": Case(
+            strategy=dict(PP2, pipeline_schedule="zero_bubble", microbatches=4),
+            model="zoo_hf_gpt2_labels",
+            accumulate_grad_batches=2,
+        ),
+        "zoo_hf_llama_pp2_base_model_then_head": Case(strategy=dict(PP2), model="zoo_hf_llama_base_and_head"),
+        "zoo_hf_qwen2_tp2_logits": Case(strategy=dict(TP2, zero_stage=3), model="zoo_hf_qwen2_logits"),
+        "zoo_hf_llama_tp2_labels": Case(strategy=dict(TP2, zero_stage=3), model="zoo_hf_llama_labels"),
+        "zoo_hf_llama_tp2_base_model_then_head_clip": Case(
+            strategy=dict(TP2), model="zoo_hf_llama_base_and_head", gradient_clip_val=0.1
+        ),
     },
     4: {
         "zero2_clip": Case(strategy=dict(zero_stage=2), gradient_clip_val=0.1),
@@ -98,6 +125,9 @@ CASES = {
             accumulate_grad_batches=2,
             gradient_clip_val=0.1,
         ),
+        "zoo_nanogpt_pp2_dp2_zero3_clip": Case(strategy=dict(PP2), model="zoo_nanogpt", gradient_clip_val=0.1),
+        "zoo_hf_gpt2_pp2_dp2_labels_zero1": Case(strategy=dict(PP2, zero_stage=1), model="zoo_hf_gpt2_labels"),
+        "zoo_hf_qwen2_pp2_tp2_logits": Case(strategy=dict(PP2, **TP2), model="zoo_hf_qwen2_logits"),
     },
     8: {  # 3D: pp=2 x dp=2 x tp=2
         "3d_clip": Case(strategy=dict(PP2, **TP2), gradient_clip_val=0.1, validate=True),
@@ -107,6 +137,10 @@ CASES = {
             gradient_clip_val=0.1,
         ),
         "3d_hf_llama": Case(strategy=dict(PP2, **TP2), model="hf_llama", validate=True),
+        # its 33-token windows do not split over 2 sequence-parallel ranks (tests/test_bad_input.py)
+        "zoo_hf_llama_3d_labels_without_sequence_parallel": Case(
+            strategy=dict(PP2, **TP2_NO_SP), model="zoo_hf_llama_labels"
+        ),
     },
 }
 

@@ -12,10 +12,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.utils.data import DataLoader
 
 from lightdist.models import Llama, TokenDataModule
-from lightdist.pipeline import balanced_split
+from lightdist.pipeline import ModelCall, balanced_split
 from lightdist.plugins import ParallelStrategy
+from lightdist.plugins.pipeline import model_call_of
 
 from multirank import run_each, run_ranks
+from training import MODELS
 
 
 def test_stages_balance_parameters_counting_embeddings_and_head() -> None:
@@ -23,6 +25,23 @@ def test_stages_balance_parameters_counting_embeddings_and_head() -> None:
     assert balanced_split([1] * 6, 2, first_extra=2) == [2, 4]  # the embeddings weigh as much as two blocks
     assert balanced_split([4, 1, 1, 1, 1], 2) == [1, 4]  # a heavy first block is a stage of its own
     assert balanced_split([4, 1, 1, 1, 1], 2, last_extra=2) == [2, 3]
+
+
+def test_the_model_call_is_the_first_call_of_a_module_around_the_decoder_stack() -> None:
+    """Pipeline stages run the module the step calls: nanoGPT's step calls ``self.model(x, y)``; a step that calls
+    only what sits inside the stack or beside it is told which calls would be the model's."""
+    nanogpt = MODELS["zoo_nanogpt"](learning_rate=1e-3, warmup_steps=2)
+    batch = torch.randint(0, 64, (2, 9))
+    enclosing = ["", "model", "model.transformer"]
+    call = model_call_of(nanogpt, lambda whole: nanogpt.training_step(whole, 0), batch, {}, enclosing)
+    assert isinstance(call, ModelCall) and call.path == "model" and not call.kwargs
+    assert [tuple(argument.shape) for argument in call.args] == [(2, 8), (2, 8)]
+
+    def step_around_the_model(whole: torch.Tensor) -> torch.Tensor:
+        return nanogpt.model.lm_head(nanogpt.model.transformer.wte(whole))
+
+    with pytest.raises(RuntimeError, match=r"never called the model \(`self\(...\)` or `self.model\(...\)` or "):
+        model_call_of(nanogpt, step_around_the_model, batch, {}, enclosing)
 
 
 def quiet_trainer(strategy: dict | None, devices: int) -> Trainer:

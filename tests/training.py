@@ -30,6 +30,8 @@ from lightdist.models import GPT2, HuggingFaceCausalLM, Llama, TokenDataModule
 from lightdist.models.lm import CausalLM
 from lightdist.plugins import ModelCheckpoint, ParallelStrategy, TrainingMonitor
 
+import zoo
+
 
 class _Mixer(nn.Module):
     """Attention under names no rule knows, q, k and v fused and cut apart with ``chunk``."""
@@ -149,6 +151,25 @@ MODELS = {
     "hf_opt": partial(
         HuggingFaceCausalLM,
         config=dict(HF_TINY, model_type="opt", ffn_dim=176, word_embed_proj_dim=64, dropout=0.0),
+    ),
+    # Third-party model code in LightningModules written as their users write them (tests/zoo.py).
+    "zoo_nanogpt": zoo.NanoGPT,
+    "zoo_hf_llama_labels": partial(zoo.HuggingFaceLabels, model_type="llama", num_key_value_heads=2, **zoo.HF_TINY),
+    "zoo_hf_qwen2_logits": partial(zoo.HuggingFaceLogits, model_type="qwen2", num_key_value_heads=2, **zoo.HF_TINY),
+    "zoo_hf_llama_base_and_head": partial(
+        zoo.HuggingFaceBaseAndHead, model_type="llama", num_key_value_heads=2, **zoo.HF_TINY
+    ),
+    "zoo_hf_gpt2_labels": partial(
+        zoo.HuggingFaceLabels,
+        model_type="gpt2",
+        vocab_size=64,
+        n_embd=64,
+        n_layer=4,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     ),
 }
 
