@@ -131,6 +131,9 @@ def main(options: argparse.Namespace) -> None:
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.is_global_zero:
         torch.save(state, options.run / "final.pt")
+    # As torch asks of every script: a process that exits with its process groups alive can be aborted (SIGABRT) by
+    # gloo's worker threads as the interpreter shuts down, after training succeeded (pytorch/pytorch#179291).
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
