@@ -9,6 +9,7 @@ projection: three parts are q, k, v, two are gate and up.
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -18,9 +19,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightdist.structure import DecoderStack
+from lightdist.structure import DecoderStack, is_projection, out_features
 
-__all__ = ["trace_block_plan"]
+__all__ = ["run_first_block", "trace_block_plan"]
 
 _SPLITS = {torch.split, torch.chunk, Tensor.split, Tensor.chunk, torch.tensor_split, Tensor.tensor_split}
 _FUSED_BY_PARTS = {3: "qkv", 2: "gate_up"}
@@ -34,7 +35,8 @@ class _Provenance(TorchFunctionMode):
         self.sources: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> frozenset of Linear names
         self.outputs: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a Linear's own output -> its name
         self.parts: dict[str, int] = {}  # Linear name -> parts its output is cut into
-        self.sliced: set[str] = set()
+        self.slices: dict[str, set[tuple[int, int]]] = {}  # Linear name -> (start, stop) of feature slices taken
+        self.sliced: set[str] = set()  # cut in ways that make no parts (a stride, an index)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -59,17 +61,53 @@ class _Provenance(TorchFunctionMode):
         elif func is Tensor.__getitem__:
             index = args[1] if isinstance(args[1], tuple) else (args[1],)
             last = index[-1] if index[0] is Ellipsis or len(index) == output.ndim else slice(None)
-            if last != slice(None):
+            if isinstance(last, slice) and last.step in (None, 1):
+                start, stop, _ = last.indices(output.shape[-1])
+                if (start, stop) != (0, output.shape[-1]):
+                    self.slices.setdefault(name, set()).add((start, stop))
+            else:
                 self.sliced.add(name)
 
 
-def trace_block_plan(model: nn.Module, stack: DecoderStack) -> dict[str, str]:
-    """The style of each Linear of a block, by its name inside the block, from one forward pass on 8 tokens.
+class _FirstBlockDone(Exception):
+    pass
 
-    Runs on the meta device when the model is there (no memory, no compute), else on the model's own device.
+
+def run_first_block(model: nn.Module, stack: DecoderStack, tokens: int = 8) -> None:
+    """Run the network a training step calls on ``tokens`` zero tokens, up to the end of the first block.
+
+    The step may call the model itself or a module holding the stack (``self.model(x)``,
+    ``self.model.model(input_ids=x)``); the innermost of those whose forward gets through the first block is run, so
+    neither a LightningModule without ``forward`` nor a model wanting targets stops it. Runs on the meta device when
+    the model is there (no memory, no compute), else on the model's own device. Raises with every attempt's error
+    when none gets through.
     """
+
+    def stop(*_) -> None:
+        raise _FirstBlockDone
+
+    device = next(model.parameters()).device
+    ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
+    handle = stack.blocks[0].register_forward_hook(stop)
+    errors = []
+    try:
+        for name in reversed(stack.enclosing):
+            try:
+                with torch.no_grad():
+                    model.get_submodule(name)(ids)
+            except _FirstBlockDone:
+                return
+            except Exception as error:  # the user's forward may want other inputs
+                errors.append(f"{name or type(model).__name__}: {type(error).__name__}: {error}")
+    finally:
+        handle.remove()
+    raise RuntimeError(f"running the model on {tokens} tokens failed ({'; '.join(errors)})")
+
+
+def trace_block_plan(model: nn.Module, stack: DecoderStack) -> dict[str, str]:
+    """The style of each projection of a block, by its name inside the block, from one forward pass on 8 tokens."""
     block = stack.blocks[0]
-    linears = {name: module for name, module in block.named_modules() if isinstance(module, nn.Linear)}
+    linears = {name: module for name, module in block.named_modules() if is_projection(module)}
     provenance = _Provenance()
     consumed: dict[str, frozenset[str]] = {}
 
@@ -92,14 +130,22 @@ def trace_block_plan(model: nn.Module, stack: DecoderStack) -> dict[str, str]:
     for name, module in linears.items():
         handles.append(module.register_forward_pre_hook(record_input(name)))
         handles.append(module.register_forward_hook(tag_output(name)))
-    device = next(model.parameters()).device
     try:
-        with torch.no_grad(), provenance:
-            model(torch.zeros(1, 8, dtype=torch.long, device=device))
+        with provenance:
+            run_first_block(model, stack)
     finally:
         for handle in handles:
             handle.remove()
     return _pairs(linears, consumed, provenance)
+
+
+def _tiling(slices: set[tuple[int, int]], width: int) -> int | None:
+    """How many parts feature slices cut an output into (Phi-3's ``qkv[..., :query_pos]``, ...), when they tile it."""
+    if not slices:
+        return None
+    bounds = sorted(slices)
+    tiles = bounds[0][0] == 0 and bounds[-1][1] == width and all(a[1] == b[0] for a, b in pairwise(bounds))
+    return len(bounds) if tiles else -1
 
 
 def _pairs(linears: dict[str, nn.Module], consumed: dict[str, frozenset[str]], provenance: _Provenance) -> dict:
@@ -113,7 +159,9 @@ def _pairs(linears: dict[str, nn.Module], consumed: dict[str, frozenset[str]], p
         if name in row:
             plan[name] = "rowwise"
         elif name in column:
-            parts = provenance.parts.get(name)
+            parts = provenance.parts.get(name) or _tiling(
+                provenance.slices.get(name, set()), out_features(linears[name])
+            )
             if name in provenance.sliced or (parts is not None and parts not in _FUSED_BY_PARTS):
                 raise ValueError(
                     f"The output of {name} is cut along its features before it reaches the next Linear, in a way "

@@ -18,12 +18,16 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import yaml
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from lightdist.layout_probe import probe_layouts
 from lightdist.pipeline import stage_costs, stage_sizes, stages_of_rank, virtual_stages_of
 from lightdist.planner import Cluster, Estimate, GiB, ModelShape, Training, plan_layouts, tensor_parallel_shape
-from lightdist.structure import find_decoder_stack
+from lightdist.structure import DecoderStack, find_decoder_stack
 from lightdist.tensor_parallel import TensorParallelStyle, check_divisible, discover_plan, replicated_key_values
 
 __all__ = ["format_layouts", "format_plan", "format_stages", "main"]
@@ -66,6 +70,7 @@ def format_plan(model: nn.Module, tp: int, tp_plan: dict[str, TensorParallelStyl
     stack = find_decoder_stack(model)
     plan = discover_plan(model, stack, tp_plan=tp_plan)
     check_divisible(model, stack, plan, tp)
+    layouts = _unit_layouts(model, stack, plan, tp)
     modules = dict(model.named_modules())
     # Fewer key/value heads than ranks: each rank holds the whole projection and uses its head.
     plan.update(dict.fromkeys(replicated_key_values(modules, plan, tp), "replicate"))
@@ -80,7 +85,26 @@ def format_plan(model: nn.Module, tp: int, tp_plan: dict[str, TensorParallelStyl
         f"{type(model).__name__}: {len(stack)} blocks in {stack.name}, tensor_parallel_size={tp}\n"
         f"  {'module':<48} {'style':<10} {'weight':>16} -> per rank"
     )
-    return "\n".join([header, *lines.values()])
+    return "\n".join([header, *lines.values(), *layouts])
+
+
+def _unit_layouts(model: nn.Module, stack: DecoderStack, plan: dict[str, TensorParallelStyle], tp: int) -> list[str]:
+    """How each attention and MLP module runs split (``lightdist.layout_probe``), checked in torch's fake process
+    group on the meta device: by output shapes only, where the run compares numbers as well."""
+    if dist.is_initialized():
+        return []
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        reasons: list[str] = []
+        layouts = probe_layouts(model, stack, plan, init_device_mesh("cpu", (tp,)), report=reasons.append)
+    finally:
+        dist.destroy_process_group()
+    where = [f"{stack.name}.*.{unit}" if unit else f"{stack.name}.*" for unit in layouts]
+    return [
+        f"  {'attention and MLP modules':<48} layout (run split on the meta device: shapes; a run checks numbers too)",
+        *(f"  {name:<48} {layout}" for name, layout in zip(where, layouts.values(), strict=True)),
+        *(f"  {reason.removeprefix('lightdist: ')}" for reason in reasons),
+    ]
 
 
 def format_layouts(shape: ModelShape, training: Training, cluster: Cluster) -> tuple[str, bool]:

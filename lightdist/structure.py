@@ -11,7 +11,16 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["DecoderStack", "find_decoder_stack", "find_repeated_blocks"]
+__all__ = [
+    "DecoderStack",
+    "find_decoder_stack",
+    "find_repeated_blocks",
+    "in_features",
+    "is_conv1d",
+    "is_projection",
+    "out_features",
+    "within",
+]
 
 
 @dataclass(frozen=True)
@@ -26,7 +35,7 @@ class DecoderStack:
 
     def contains(self, module_name: str) -> bool:
         """Whether ``module_name`` (a name in the model) is the stack or inside it."""
-        return module_name == self.name or module_name.startswith(self.name + ".")
+        return within(module_name, self.name)
 
     @property
     def enclosing(self) -> list[str]:
@@ -34,6 +43,29 @@ class DecoderStack:
         the model (``self(x)``, ``self.model(x)``, ``self.model.model(x)`` for ``model.model.layers``)."""
         parts = self.name.split(".")[:-1]
         return ["", *(".".join(parts[: depth + 1]) for depth in range(len(parts)))]
+
+
+def within(name: str, parent: str) -> bool:
+    """Whether the module called ``name`` is ``parent`` or inside it (names as ``named_modules`` gives them)."""
+    return name == parent or name.startswith(parent + ".")
+
+
+def is_projection(module: nn.Module) -> bool:
+    """A Linear, or Hugging Face's ``Conv1D`` (GPT-2's projections: a Linear storing its weight input x output)."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return isinstance(getattr(module, "nf", None), int) and weight is not None and weight.shape[-1] == module.nf
+
+
+def out_features(module: nn.Module) -> int:
+    return module.nf if is_conv1d(module) else module.out_features
+
+
+def in_features(module: nn.Module) -> int:
+    return module.nx if is_conv1d(module) else module.in_features
 
 
 def _num_params(module: nn.Module) -> int:

@@ -16,36 +16,64 @@ Every other module with parameters is replicated.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
+from functools import partial
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightdist.dataflow import trace_block_plan
-from lightdist.structure import DecoderStack
+from lightdist.structure import DecoderStack, in_features, is_conv1d, is_projection, out_features, within
 
 __all__ = [
     "BLOCK_RULES",
+    "Colwise",
     "FusedColwiseParallel",
     "ReplicateInputs",
     "ReplicateParallel",
+    "Rowwise",
     "TensorParallelStyle",
+    "UnitLayout",
     "apply_tensor_parallel",
+    "attention_heads",
+    "block_units",
     "check_divisible",
     "discover_plan",
+    "parallel_styles",
+    "prepare_units",
     "reorder_optimizer_state",
     "replicated_key_values",
 ]
 
 TensorParallelStyle = Literal["colwise", "qkv", "gate_up", "rowwise", "vocab", "head", "replicate"]
+
+# How the code of an attention or MLP module ("a unit": the parent of a block's split projections) runs split:
+# fast: on each rank's local shards, its head counts set per rank (torchtitan's and Megatron's layout);
+# adapted: the same, also with per-rank copies of the widths and of the config object it reshapes with;
+# global: on DTensors of the unsplit shapes, torch's sharding propagation placing each op (for code that reshapes with
+# sizes from its input, the fast layout's shapes cannot work; any code of torch ops is right this way).
+UnitLayout = Literal["fast", "adapted", "global"]
 
 # One entry per model family: the last name of every Linear in a decoder block, and how it splits.
 # A family applies when it names all of a block's Linear layers. Adding a family is adding an entry.
@@ -92,7 +120,9 @@ HUGGING_FACE_STYLES: dict[str, TensorParallelStyle] = {
 }
 
 _QUERY_HEAD_ATTRIBUTES = ("num_heads", "n_heads", "n_head", "num_attention_heads", "heads")
-_KEY_VALUE_HEAD_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
+_KEY_VALUE_HEAD_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "n_query_groups")
+# Widths attention code reshapes with: under the fast layout each rank holds 1/tp of the heads, so 1/tp of these.
+_WIDTH_ATTRIBUTES = ("embed_dim", "split_size", "n_embd", "hidden_size", "all_head_size", "d_model", "inner_dim")
 _GROUP_ATTRIBUTES = ("num_key_value_groups", "n_rep")  # query heads per key/value head
 
 
@@ -107,17 +137,25 @@ class AttentionHeads:
 
 
 def attention_heads(module: nn.Module) -> AttentionHeads | None:
-    """Head counts from the module's own attributes or, for Hugging Face attention (which keeps only ``head_dim``),
-    its config's; ``None`` for modules that are not attention."""
-    sources = [module]
-    if hasattr(module, "head_dim") and hasattr(module, "config"):
-        sources.append(module.config)
-    for source in sources:
+    """Head counts from the module's own attributes or, for attention that reads them from a config object (Hugging
+    Face's, LitGPT's), the config's; ``None`` for modules that are not attention."""
+    for source in (module, *_configs(module).values()):
         heads = _first_int_attribute(source, _QUERY_HEAD_ATTRIBUTES)
         if heads is not None:
             kv_heads = _first_int_attribute(source, _KEY_VALUE_HEAD_ATTRIBUTES) or heads
             return AttentionHeads(heads[1], kv_heads[1], heads[0], kv_heads[0])
     return None
+
+
+def _configs(module: nn.Module) -> dict[str, object]:
+    """The module's attributes that are plain objects carrying head counts: the config its code reads them from."""
+    return {
+        name: value
+        for name, value in vars(module).items()
+        if not name.startswith("_")
+        and not isinstance(value, nn.Module | Tensor)
+        and _first_int_attribute(value, _QUERY_HEAD_ATTRIBUTES) is not None
+    }
 
 
 def _first_int_attribute(source: object, names: tuple[str, ...]) -> tuple[str, int] | None:
@@ -158,7 +196,54 @@ class ReplicateParallel(ParallelStyle):
         return module
 
 
-class FusedColwiseParallel(ColwiseParallel):
+def _output_dim(module: nn.Module, param: Tensor) -> int:
+    """The dimension of ``param`` along which the module's outputs lie: rows of a Linear, columns of a Conv1D."""
+    return param.ndim - 1 if is_conv1d(module) else 0
+
+
+class Colwise(ColwiseParallel):
+    """torch's ``ColwiseParallel``, also for ``Conv1D``: split by output features, its weight by columns."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not is_conv1d(module):
+            return super()._apply(module, device_mesh)
+        return _distribute_conv1d(self, module, device_mesh, weight=Shard(1), bias=Shard(0))
+
+
+class Rowwise(RowwiseParallel):
+    """torch's ``RowwiseParallel``, also for ``Conv1D``: split by input features, its weight by rows."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not is_conv1d(module):
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)
+        return _distribute_conv1d(self, module, device_mesh, weight=Shard(0), bias=Replicate())
+
+
+def _distribute_conv1d(
+    style: ColwiseParallel | RowwiseParallel,
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+    *,
+    weight: Placement,
+    bias: Placement,
+) -> nn.Module:
+    def partition(name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for param_name, param in module.named_parameters(recurse=False):
+            placement = weight if param_name == "weight" else bias
+            distributed = distribute_tensor(param, device_mesh, [placement], src_data_rank=style.src_data_rank)
+            module.register_parameter(param_name, nn.Parameter(distributed))
+
+    return distribute_module(
+        module,
+        device_mesh,
+        partition,
+        partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+        partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
+    )
+
+
+class FusedColwiseParallel(Colwise):
     """Column parallelism for a Linear whose output is several projections side by side, ``[q | k | v]``.
 
     A plain column split would give rank 0 all of q and half of k. Instead the rows are reordered so that each rank's
@@ -176,17 +261,20 @@ class FusedColwiseParallel(ColwiseParallel):
         module._lightdist_row_order = order
         with torch.no_grad():
             for param in module.parameters(recurse=False):
-                param.copy_(param.index_select(0, order.to(param.device)))
+                param.copy_(param.index_select(_output_dim(module, param), order.to(param.device)))
         model_layout = torch.argsort(order)
 
         def save_in_model_layout(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-            for name, _ in module.named_parameters(recurse=False):
-                state_dict[prefix + name] = reorder_rows(state_dict[prefix + name], model_layout)
+            for name, param in module.named_parameters(recurse=False):
+                dim = _output_dim(module, param)
+                state_dict[prefix + name] = reorder_rows(state_dict[prefix + name], model_layout, dim)
 
         def load_from_model_layout(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
-            for name, _ in module.named_parameters(recurse=False):
+            for name, param in module.named_parameters(recurse=False):
                 if prefix + name in state_dict:
-                    state_dict[prefix + name] = reorder_rows(state_dict[prefix + name], order)
+                    state_dict[prefix + name] = reorder_rows(
+                        state_dict[prefix + name], order, _output_dim(module, param)
+                    )
 
         module.register_state_dict_post_hook(save_in_model_layout)
         module.register_load_state_dict_pre_hook(load_from_model_layout)
@@ -205,14 +293,15 @@ def _rank_major_rows(parts: tuple[int, ...], tp: int) -> Tensor:
     )
 
 
-def reorder_rows(tensor: Tensor, order: Tensor) -> Tensor:
-    """``tensor[order]``, for a DTensor keeping its layout: each rank gathers the rows and keeps its own share.
+def reorder_rows(tensor: Tensor, order: Tensor, dim: int = 0) -> Tensor:
+    """``tensor.index_select(dim, order)``, for a DTensor keeping its layout: each rank gathers the rows and keeps its
+    own share.
 
     Used only around checkpoints; it briefly holds one whole tensor per rank.
     """
     if not isinstance(tensor, DTensor):
-        return tensor.index_select(0, order.to(tensor.device))
-    whole = tensor.full_tensor().index_select(0, order.to(tensor.device))
+        return tensor.index_select(dim, order.to(tensor.device))
+    whole = tensor.full_tensor().index_select(dim, order.to(tensor.device))
     local_shape, offset = compute_local_shape_and_global_offset(whole.shape, tensor.device_mesh, tensor.placements)
     local = whole[tuple(slice(start, start + size) for start, size in zip(offset, local_shape, strict=True))]
     return DTensor.from_local(
@@ -240,7 +329,7 @@ def reorder_optimizer_state(model: nn.Module, optimizer_state: dict, *, to_model
             state = optimizer_state["state"].get(f"{module_name}.{name}", {})
             for key, value in state.items():
                 if isinstance(value, Tensor) and value.shape == param.shape:
-                    state[key] = reorder_rows(value, order)
+                    state[key] = reorder_rows(value, order, _output_dim(module, param))
     return optimizer_state
 
 
@@ -312,14 +401,40 @@ def _styles(*, sequence_parallel: bool, loss_parallel: bool) -> dict[TensorParal
     stream = Shard(1) if sequence_parallel else Replicate()
     logits = Shard(-1) if loss_parallel else Replicate()
     return {
-        "colwise": ColwiseParallel(),
-        "rowwise": RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel),
+        "colwise": Colwise(),
+        "rowwise": Rowwise(output_layouts=stream, use_local_output=not sequence_parallel),
         "vocab": RowwiseParallel(  # embedding rows split by token id
             input_layouts=Replicate(), output_layouts=stream, use_local_output=not sequence_parallel
         ),
         "head": ColwiseParallel(input_layouts=stream, output_layouts=logits, use_local_output=not loss_parallel),
         "replicate": ReplicateParallel(local_outputs=not sequence_parallel),
     }
+
+
+def _global_styles(*, sequence_parallel: bool) -> dict[TensorParallelStyle, ParallelStyle]:
+    """The projections of a unit on global shapes: outputs stay DTensors, so the unit's code sees unsplit sizes and
+    torch places each op. Fused projections need no reordering: a DTensor's split cuts by global position."""
+    column = Colwise(use_local_output=False)
+    stream = Shard(1) if sequence_parallel else Replicate()
+    return {
+        "colwise": column,
+        "qkv": column,
+        "gate_up": column,
+        "rowwise": Rowwise(output_layouts=stream, use_local_output=not sequence_parallel),
+    }
+
+
+def _run_on_global_shapes(module: nn.Module, *, on_cpu: bool) -> None:
+    """Run ``module``'s own forward where plain tensors (masks, rotary tables it makes or gets) count as replicated
+    DTensors. On CPU, attention takes SDPA's math kernel: torch places DTensor ops for the fused CPU kernel nowhere."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def global_forward(*args, **kwargs):
+        with implicit_replication(), sdpa_kernel(SDPBackend.MATH) if on_cpu else contextlib.nullcontext():
+            return forward(*args, **kwargs)
+
+    module.forward = global_forward
 
 
 def discover_plan(
@@ -352,51 +467,161 @@ def apply_tensor_parallel(
     tp_mesh: DeviceMesh,
     *,
     plan: dict[str, TensorParallelStyle],
+    layouts: dict[str, UnitLayout] | None = None,
     sequence_parallel: bool = True,
     loss_parallel: bool = False,
 ) -> None:
-    """Split ``model`` across ``tp_mesh`` by ``plan``, after checking every split divides evenly.
+    """Split ``model`` across ``tp_mesh`` by ``plan`` (the modules this pipeline stage holds), after checking every
+    split divides evenly.
 
-    Parameters become DTensors on ``tp_mesh``; modules' head-count attributes become per-rank counts, so attention
-    code that reshapes with ``view(B, T, self.num_heads, head_dim)`` keeps working unchanged. With
-    ``sequence_parallel``, activations between blocks are split along the sequence as well; with ``loss_parallel``
-    the logits stay split by vocabulary, for ``vocab_parallel_cross_entropy``.
+    Parameters become DTensors on ``tp_mesh``. ``layouts`` says how each unit of a block runs, by its name inside the
+    block (``{"attn": "global"}``; ``lightdist.layout_probe`` finds them); units not named run fast, their modules'
+    head-count attributes set to per-rank counts, so attention code that reshapes with
+    ``view(B, T, self.num_heads, head_dim)`` keeps working unchanged. With ``sequence_parallel``, activations between
+    blocks are split along the sequence as well; with ``loss_parallel`` the logits stay split by vocabulary, for
+    ``vocab_parallel_cross_entropy``.
     """
     tp = tp_mesh.size()
+    plan = {name: style for name, style in plan.items() if _holds_parameters(model, name)}
     check_divisible(model, stack, plan, tp)
     tied = _tied_weights(model)
-    styles = _styles(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-    modules = dict(model.named_modules())
-    parallel_plan: dict[str, ParallelStyle] = {
-        name: FusedColwiseParallel(_fused_parts(modules, name, style)) if style in _FUSED else styles[style]
-        for name, style in plan.items()
-    }
-    for name, kv_heads in replicated_key_values(modules, plan, tp).items():
-        parallel_plan[name] = ReplicatedKeyValueParallel(kv_heads)
+    units = {name: (layouts or {}).get(in_block, "fast") for name, in_block in block_units(stack, plan).items()}
+    parallel_plan = parallel_styles(
+        model, plan, units, tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
+    )
     if sequence_parallel:
         parallel_plan.update(dict.fromkeys(_column_parallel_parents(stack, plan), ReplicateInputs()))
     parallelize_module(model, tp_mesh, parallel_plan)
     for owner, user in tied:
         # Parallelising each module gave the shared weight two DTensors; both are split by vocabulary, so one serves.
         user.weight = owner.weight
-    for block in stack.blocks:
-        for module in block.modules():
-            _set_heads_per_rank(module, tp)
+    prepare_units(model, plan, units, tp, on_cpu=tp_mesh.device_type == "cpu")
+    for name, module in model.named_modules():
+        if stack.contains(name) and not _inside(name, list(units)):
+            _set_heads_per_rank(module, attention_heads(module), tp)
 
 
-def _set_heads_per_rank(module: nn.Module, tp: int) -> None:
-    """Each rank computes 1/tp of the query heads and of the key/value heads, or one replicated key/value head."""
-    counts = attention_heads(module)
+def _holds_parameters(model: nn.Module, name: str) -> bool:
+    try:
+        return any(True for _ in model.get_submodule(name).parameters(recurse=False))
+    except AttributeError:  # a block another pipeline stage holds
+        return False
+
+
+def block_units(stack: DecoderStack, plan: dict[str, TensorParallelStyle]) -> dict[str, str]:
+    """The units of the blocks (parents of their split projections: attention, MLP), each with its name inside its
+    block (``"model.layers.3.self_attn"`` -> ``"self_attn"``; the block itself is ``""``)."""
+    units = {}
+    for name, style in plan.items():
+        if style in (*_COLUMN_PARALLEL, "rowwise") and stack.contains(name):
+            unit = name.rsplit(".", 1)[0]
+            units[unit] = unit[len(stack.name) + 1 :].partition(".")[2]
+    return units
+
+
+def parallel_styles(
+    model: nn.Module,
+    plan: dict[str, TensorParallelStyle],
+    units: dict[str, UnitLayout],
+    tp: int,
+    *,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+) -> dict[str, ParallelStyle]:
+    """The torch style of each module of ``plan``, by the layout of the unit holding it (``units``, by full name)."""
+    modules = dict(model.named_modules())
+    styles = _styles(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    global_styles = _global_styles(sequence_parallel=sequence_parallel)
+
+    def style_of(name: str, style: TensorParallelStyle) -> ParallelStyle:
+        if units.get(_parent(name)) == "global" and style in global_styles:
+            return global_styles[style]
+        return FusedColwiseParallel(_fused_parts(modules, name, style)) if style in _FUSED else styles[style]
+
+    parallel_plan = {name: style_of(name, style) for name, style in plan.items()}
+    for name, kv_heads in replicated_key_values(modules, plan, tp).items():
+        if units.get(_parent(name)) != "global":
+            parallel_plan[name] = ReplicatedKeyValueParallel(kv_heads)
+    return parallel_plan
+
+
+def prepare_units(
+    model: nn.Module, plan: dict[str, TensorParallelStyle], units: dict[str, UnitLayout], tp: int, *, on_cpu: bool
+) -> None:
+    """Make each unit's code fit its layout, after its projections are split."""
+    modules = dict(model.named_modules())
+    for name, layout in units.items():
+        unit = modules[name]
+        if layout == "global":
+            _run_on_global_shapes(unit, on_cpu=on_cpu)
+            continue
+        counts = attention_heads(unit)
+        if layout == "adapted" and counts is not None:
+            _adapt_to_rank(unit, counts, _query_width(modules, plan, name, counts), tp)
+        for module in _own_modules(unit):
+            _set_heads_per_rank(module, attention_heads(module), tp)
+
+
+def _own_modules(unit: nn.Module) -> list[nn.Module]:
+    """The unit and its submodules, less those holding projections themselves: a unit inside it (OPT's attention in
+    its block), laid out on its own, or a module left unsplit."""
+    inner = [name for name, module in unit.named_modules() if name and any(is_projection(m) for m in module.children())]
+    return [module for name, module in unit.named_modules() if not _inside(name, inner)]
+
+
+def _adapt_to_rank(unit: nn.Module, counts: AttentionHeads, query_width: int, tp: int) -> None:
+    """Per-rank widths on the unit, and a per-rank copy of the config it reads head counts from (shared by every
+    block, so it is copied, never changed): what DeepSpeed's AutoTP rewrites, found on any attention."""
+    head_dim = query_width // counts.heads
+    widths = {query_width: query_width // tp}
+    if counts.kv_heads >= tp:
+        widths.setdefault(counts.kv_heads * head_dim, counts.kv_heads * head_dim // tp)
+    for name, config in _configs(unit).items():
+        config = copy.copy(config)
+        _set_heads_per_rank(config, counts, tp)
+        _set_widths(config, widths)
+        setattr(unit, name, config)
+    _set_widths(unit, widths)
+
+
+def _set_widths(source: object, widths: dict[int, int]) -> None:
+    for name in _WIDTH_ATTRIBUTES:
+        value = getattr(source, name, None)
+        if isinstance(value, int) and value in widths:
+            setattr(source, name, widths[value])
+
+
+def _query_width(
+    modules: dict[str, nn.Module], plan: dict[str, TensorParallelStyle], unit: str, counts: AttentionHeads
+) -> int:
+    children = [name for name, style in plan.items() if style in _COLUMN_PARALLEL and _parent(name) == unit]
+    fused = [name for name in children if plan[name] == "qkv"]
+    if fused:
+        return _fused_parts(modules, fused[0], "qkv")[0]
+    return max(out_features(modules[name]) for name in children)
+
+
+def _parent(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _inside(name: str, parents: list[str]) -> bool:
+    return any(within(name, parent) for parent in parents)
+
+
+def _set_heads_per_rank(source: object, counts: AttentionHeads | None, tp: int) -> None:
+    """Each rank computes 1/tp of the query heads and of the key/value heads, or one replicated key/value head:
+    ``source`` (a module or a config) gets those counts wherever it keeps them."""
     if counts is None:
         return
     heads, kv_heads = counts.heads // tp, max(counts.kv_heads // tp, 1)
     for names, count in ((_QUERY_HEAD_ATTRIBUTES, heads), (_KEY_VALUE_HEAD_ATTRIBUTES, kv_heads)):
         for name in names:
-            if isinstance(getattr(module, name, None), int):
-                setattr(module, name, count)
+            if isinstance(getattr(source, name, None), int):
+                setattr(source, name, count)
     for name in _GROUP_ATTRIBUTES:
-        if isinstance(getattr(module, name, None), int):
-            setattr(module, name, heads // kv_heads)
+        if isinstance(getattr(source, name, None), int):
+            setattr(source, name, heads // kv_heads)
 
 
 def replicated_key_values(
@@ -411,9 +636,9 @@ def replicated_key_values(
         counts = attention_heads(modules[parent_name])
         if counts is None or counts.kv_heads >= tp:
             continue
-        head_dim = max(modules[name].out_features for name in children) // counts.heads
+        head_dim = max(out_features(modules[name]) for name in children) // counts.heads
         for name in children:
-            if plan[name] == "colwise" and modules[name].out_features == counts.kv_heads * head_dim:
+            if plan[name] == "colwise" and out_features(modules[name]) == counts.kv_heads * head_dim:
                 replicated[name] = counts.kv_heads
     return replicated
 
@@ -432,7 +657,7 @@ _COLUMN_PARALLEL = ("colwise", *_FUSED)
 
 def _fused_parts(modules: dict[str, nn.Module], name: str, style: TensorParallelStyle) -> tuple[int, ...]:
     """The widths of the projections a fused Linear computes: q, k, v from its attention's head counts; gate, up."""
-    features = modules[name].out_features
+    features = out_features(modules[name])
     if style == "gate_up":
         return (features // 2, features // 2)
     counts = attention_heads(modules[name.rsplit(".", 1)[0]] if "." in name else modules[""])
@@ -460,7 +685,7 @@ def _column_parallel_parents(stack: DecoderStack, plan: dict[str, TensorParallel
 
 def _block_plan(model: nn.Module, stack: DecoderStack) -> dict[str, TensorParallelStyle]:
     """The styles of a block's Linear layers, by name inside the block: from a family's names, else the data flow."""
-    linears = [name for name, module in stack.blocks[0].named_modules() if isinstance(module, nn.Linear)]
+    linears = [name for name, module in stack.blocks[0].named_modules() if is_projection(module)]
     last_names = sorted({name.rsplit(".", 1)[-1] for name in linears})
     for rules in BLOCK_RULES.values():
         if linears and all(name in rules for name in last_names):
@@ -468,30 +693,28 @@ def _block_plan(model: nn.Module, stack: DecoderStack) -> dict[str, TensorParall
     try:
         plan = trace_block_plan(model, stack)
         why = "no Linear in a block feeds another" if "rowwise" not in plan.values() else ""
-    except Exception as error:  # the user's forward, run on 8 zero tokens, may want other inputs
-        plan, why = {}, f"tracing the forward on 8 tokens failed ({type(error).__name__}: {error})"
+    except RuntimeError as error:
+        plan, why = {}, str(error)
     if why:
+        example = ", ".join(f"'{stack.name}.*.{name}': ..." for name in linears) or f"'{stack.name}.*.<layer>': ..."
         raise ValueError(
-            f"No tensor-parallel plan found for the blocks of {stack.name}: their Linear layers are "
+            f"No tensor-parallel plan found for the blocks of {stack.name}: their projections are "
             f"{', '.join(last_names) or 'none'}, no known family ({', '.join(BLOCK_RULES)}) names them all, and "
-            f"{why}. Pass tp_plan, for example tp_plan={{'{stack.name}.*.attn.q': 'colwise', "
-            f"'{stack.name}.*.attn.out': 'rowwise', ...}}, with styles {', '.join(TensorParallelStyle.__args__)}."
+            f"{why}. Pass tp_plan={{{example}}}, each with one of the styles "
+            f"{', '.join(TensorParallelStyle.__args__)}."
         )
     return plan
 
 
 def _hugging_face_plan(model: nn.Module) -> dict[str, TensorParallelStyle] | None:
-    """The plan a Hugging Face model carries, in lightdist's styles and full module names."""
+    """The plan a Hugging Face model carries, in lightdist's styles and full module names; ``None`` where it has none,
+    or one with styles lightdist does not apply (Phi-3's ``rowwise_split_input``): its own discovery serves then."""
     for name, module in model.named_modules():
         own = getattr(module, "_tp_plan", None)
         if not own:
             continue
-        unknown = sorted({style for style in own.values() if style not in HUGGING_FACE_STYLES})
-        if unknown:
-            raise ValueError(
-                f"{type(module).__name__} carries a tensor-parallel plan with styles lightdist does not apply yet: "
-                f"{', '.join(unknown)}. Pass tp_plan to choose the styles yourself."
-            )
+        if any(style not in HUGGING_FACE_STYLES for style in own.values()):
+            return None
         prefix = f"{name}." if name else ""
         return {prefix + pattern: HUGGING_FACE_STYLES[style] for pattern, style in own.items()}
     return None
@@ -561,6 +784,7 @@ def check_divisible(model: nn.Module, stack: DecoderStack, plan: dict[str, Tenso
         "rowwise": ("in_features", "input features"),
         "vocab": ("num_embeddings", "vocabulary size"),
     }
+    sizes = {"out_features": out_features, "in_features": in_features, "num_embeddings": lambda m: m.num_embeddings}
     for name, style in plan.items():
         if style in _FUSED:
             for part in _fused_parts(modules, name, style):
@@ -573,7 +797,7 @@ def check_divisible(model: nn.Module, stack: DecoderStack, plan: dict[str, Tenso
         if style not in split_sizes or name in replicated:
             continue
         attribute, what = split_sizes[style]
-        size = getattr(modules[name], attribute)
+        size = sizes[attribute](modules[name])
         if size % tp:
             raise ValueError(
                 f"tensor_parallel_size={tp} does not divide the {what} of {name} ({attribute}={size}). "

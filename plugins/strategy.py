@@ -51,6 +51,7 @@ from lightdist.activation_checkpointing import ActivationCheckpointing, apply_ac
 from lightdist.async_checkpoint import AsyncMode, CheckpointSaver, buffers_copied
 from lightdist.heartbeat import Heartbeat, describe_ranks, failed_collective
 from lightdist.layout import MESH_DIM_NAMES, ParallelLayout
+from lightdist.layout_probe import probe_layouts
 from lightdist.loss_parallel import vocab_parallel_cross_entropy
 from lightdist.pipeline import (
     StageModel,
@@ -867,18 +868,20 @@ class ParallelStrategy(ModelParallelStrategy):
             return self._parallel_root
         if self._pipeline_tracer and self.layout.pp > 1:
             return self._parallelize_traced(module, [f"{stack.name}.{index}" for index in range(len(stack))])
-        # The plan is found on the whole model, where the embedding and the head it splits by vocabulary are both seen.
-        plan = discover_plan(module, stack, tp_plan=self._tp_plan) if self.layout.tp > 1 else {}
+        plan, layouts = {}, {}
+        if self.layout.tp > 1:  # on the whole model, where the embedding and the head split by vocabulary are seen
+            plan = discover_plan(module, stack, tp_plan=self._tp_plan)
+            layouts = probe_layouts(module, stack, plan, self.device_mesh["tp"], report=rank_zero_info)
         stages: list[StageModel] = []
         if self.layout.pp > 1:
             stack, stages = self._cut_pipeline_stages(module, stack)
-            plan = {name: style for name, style in plan.items() if _holds_parameters(module, name)}
         if self.layout.tp > 1:
             apply_tensor_parallel(
                 module,
                 stack,
                 self.device_mesh["tp"],
                 plan=plan,
+                layouts=layouts,
                 sequence_parallel=self._sequence_parallel,
                 loss_parallel=self._loss_parallel,
             )
@@ -1083,10 +1086,3 @@ def _has_submodule(module: nn.Module, name: str) -> bool:
     except AttributeError:
         return False
     return True
-
-
-def _holds_parameters(module: nn.Module, name: str) -> bool:
-    try:
-        return any(True for _ in module.get_submodule(name).parameters(recurse=False))
-    except AttributeError:  # a block another pipeline stage holds
-        return False

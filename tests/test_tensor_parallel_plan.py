@@ -43,12 +43,24 @@ def test_hugging_face_models_bring_their_own_plan() -> None:
     assert plan["model.model.layers.1.input_layernorm"] == "replicate"
 
 
-def test_a_model_plan_with_unsupported_styles_asks_for_tp_plan_and_tp_plan_overrides_it() -> None:
+def test_a_model_plan_with_styles_lightdist_does_not_apply_is_set_aside_for_its_own_discovery() -> None:
     model = Llama("tiny")
     model.model._tp_plan = {"layers.*.mlp.gate_proj": "packed_colwise"}  # as a fused-MLP Hugging Face model carries
-    with pytest.raises(ValueError, match=r"LlamaModel carries a tensor-parallel plan with styles lightdist does not"):
-        plan_of(model)
+    assert plan_of(model) == plan_of(Llama("tiny"))
     assert plan_of(model, tp_plan={"model.lm_head": "head"})["model.lm_head"] == "head"
+
+
+def test_phi3_fused_projections_cut_by_slicing_are_found_in_the_data_flow() -> None:
+    """Phi-3 carries a plan lightdist does not apply; its attention slices q, k and v out of qkv_proj."""
+    plan = plan_of(MODELS["zoo_hf_phi3_labels"](learning_rate=1e-3, warmup_steps=2))
+    assert {
+        name: style for name, style in plan.items() if name.startswith("model.model.layers.0.") and "proj" in name
+    } == {
+        "model.model.layers.0.self_attn.qkv_proj": "qkv",
+        "model.model.layers.0.self_attn.o_proj": "rowwise",
+        "model.model.layers.0.mlp.gate_up_proj": "gate_up",
+        "model.model.layers.0.mlp.down_proj": "rowwise",
+    }
 
 
 def test_explicit_plan_patterns_replace_discovery() -> None:
@@ -77,11 +89,40 @@ class _UnknownFamilyBlock(nn.Module):
         self.mixer_in, self.mixer_out = nn.Linear(8, 16), nn.Linear(16, 8)
 
 
-def test_no_plan_found_lists_the_layers_and_asks_for_tp_plan() -> None:
+def test_no_plan_found_lists_the_layers_and_asks_for_tp_plan_naming_them() -> None:
     model = nn.Module()  # no forward to trace either
     model.layers = nn.ModuleList(_UnknownFamilyBlock() for _ in range(2))
-    with pytest.raises(ValueError, match=r"Linear layers are mixer_in, mixer_out, no known family .* Pass tp_plan"):
+    with pytest.raises(ValueError, match=r"projections are mixer_in, mixer_out, no known family") as error:
         plan_of(model)
+    assert 'missing the required "forward"' in str(error.value)
+    assert "Pass tp_plan={'layers.*.mixer_in': ..., 'layers.*.mixer_out': ...}" in str(error.value)
+
+
+def test_the_plan_of_a_network_held_in_an_attribute_is_traced_through_the_module_the_step_calls() -> None:
+    """LitGPT's names are no known family's, and its LightningModule has no forward: its GPT is traced."""
+    plan = plan_of(MODELS["zoo_litgpt"](learning_rate=1e-3, warmup_steps=2))
+    assert {name: style for name, style in plan.items() if name.startswith("model.transformer.h.0.")} == {
+        "model.transformer.h.0.attn.qkv": "qkv",  # q, k and v of unequal widths (grouped-query attention)
+        "model.transformer.h.0.attn.proj": "rowwise",
+        "model.transformer.h.0.mlp.fc_1": "colwise",
+        "model.transformer.h.0.mlp.fc_2": "colwise",
+        "model.transformer.h.0.mlp.proj": "rowwise",
+        "model.transformer.h.0.norm_1": "replicate",
+        "model.transformer.h.0.norm_2": "replicate",
+    }
+    assert (plan["model.transformer.wte"], plan["model.lm_head"]) == ("vocab", "head")
+
+
+def test_hugging_face_conv1d_projections_are_split_like_linear_ones() -> None:
+    plan = plan_of(MODELS["zoo_hf_gpt2_labels"](learning_rate=1e-3, warmup_steps=2))
+    assert {
+        name: style for name, style in plan.items() if name.startswith("model.transformer.h.0.") and "c_" in name
+    } == {
+        "model.transformer.h.0.attn.c_attn": "qkv",
+        "model.transformer.h.0.attn.c_proj": "rowwise",
+        "model.transformer.h.0.mlp.c_fc": "colwise",
+        "model.transformer.h.0.mlp.c_proj": "rowwise",
+    }
 
 
 def test_unknown_names_are_paired_by_following_the_data_flow() -> None:

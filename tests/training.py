@@ -154,10 +154,24 @@ MODELS = {
     ),
     # Third-party model code in LightningModules written as their users write them (tests/zoo.py).
     "zoo_nanogpt": zoo.NanoGPT,
+    "zoo_litgpt": zoo.LitGPT,
     "zoo_hf_llama_labels": partial(zoo.HuggingFaceLabels, model_type="llama", num_key_value_heads=2, **zoo.HF_TINY),
     "zoo_hf_qwen2_logits": partial(zoo.HuggingFaceLogits, model_type="qwen2", num_key_value_heads=2, **zoo.HF_TINY),
     "zoo_hf_llama_base_and_head": partial(
         zoo.HuggingFaceBaseAndHead, model_type="llama", num_key_value_heads=2, **zoo.HF_TINY
+    ),
+    "zoo_hf_mistral_logits": partial(zoo.HuggingFaceLogits, model_type="mistral", num_key_value_heads=2, **zoo.HF_TINY),
+    "zoo_hf_gemma_labels": partial(
+        zoo.HuggingFaceLabels, model_type="gemma", num_key_value_heads=1, head_dim=16, **zoo.HF_TINY
+    ),
+    "zoo_hf_phi3_labels": partial(
+        zoo.HuggingFaceLabels, model_type="phi3", num_key_value_heads=2, pad_token_id=0, **zoo.HF_TINY
+    ),
+    "zoo_hf_neox_logits": partial(
+        zoo.HuggingFaceLogits, model_type="gpt_neox", hidden_dropout=0.0, attention_dropout=0.0, **zoo.HF_TINY
+    ),
+    "zoo_hf_opt_labels": partial(
+        zoo.HuggingFaceLabels, model_type="opt", ffn_dim=176, word_embed_proj_dim=64, dropout=0.0, **zoo.HF_TINY
     ),
     "zoo_hf_gpt2_labels": partial(
         zoo.HuggingFaceLabels,

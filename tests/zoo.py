@@ -5,6 +5,8 @@ loss from ``labels``), an optimizer of its own. The equivalence suite trains eac
 ``GPT`` is nanoGPT's model (github.com/karpathy/nanoGPT, ``model.py``), kept as written there: attention that cuts its
 fused projection with ``split(self.n_embd)`` and reshapes with the input's global sizes, weights initialised in
 ``__init__``, the LM head tied to the token embedding, ``forward(idx, targets)`` returning ``(logits, loss)``.
+``LitGPT`` trains LitGPT's own ``GPT`` (pip's ``litgpt``), whose attention reads its head counts from the config
+object every block shares and gets its rotary tables as arguments.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import litgpt
 import torch
 import torch.nn.functional as F
 import transformers
@@ -235,3 +238,38 @@ class HuggingFaceBaseAndHead(HuggingFaceLabels):
         loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         self.log("train_loss", loss, sync_dist=True)
         return loss
+
+
+class LitGPT(LightningModule):
+    """LitGPT's ``GPT`` from a tiny Llama-style ``Config`` (grouped-query attention with a fused ``qkv``, a SwiGLU
+    MLP, RMSNorm), called as ``self.model(x)`` and the loss computed in the step, as LitGPT's pretraining does."""
+
+    def __init__(self, learning_rate: float, warmup_steps: int) -> None:
+        super().__init__()
+        self.learning_rate = learning_rate
+        config = litgpt.Config(
+            block_size=64,
+            vocab_size=64,
+            padded_vocab_size=64,
+            n_layer=4,
+            n_head=4,
+            n_query_groups=2,
+            n_embd=64,
+            rotary_percentage=1.0,
+            parallel_residual=False,
+            bias=False,
+            norm_class_name="RMSNorm",
+            mlp_class_name="LLaMAMLP",
+            intermediate_size=176,
+        )
+        self.model = litgpt.GPT(config)
+        self.model.apply(self.model._init_weights)
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        logits = self.model(batch[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.learning_rate)

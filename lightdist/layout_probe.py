@@ -1,0 +1,231 @@
+"""Which layout each unit of a block (its attention, its MLP) runs in under tensor parallelism, found by running it.
+
+Code that reshapes with sizes it does not read from a head-count attribute (nanoGPT's ``split(self.n_embd)`` and
+``view(B, T, C)`` with ``C`` from its input, LitGPT's ``config.n_head``) fails on local shards, or runs with wrong
+shapes and trains a wrong model. So before the model is split, each unit of its first block is copied, split across
+the tensor-parallel ranks, run on the inputs the unit gets in a forward pass of 8 tokens and compared with the unsplit
+copy. The first layout that gives the unsplit output is the one every block's unit gets: fast, else adapted, else
+global (see ``lightdist.tensor_parallel.UnitLayout``). The cost is a few forwards of one block on 8 tokens, and for a
+moment the memory of the unit twice over, in fp32. Units larger than ``NUMERIC_CHECK_LIMIT`` parameters (a 70B model's
+MLP), and runs in torch's fake process group (which sends nothing), are checked on the meta device instead: for
+their output shapes only, at no cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils._pytree import tree_leaves, tree_map
+
+from lightdist.dataflow import run_first_block
+from lightdist.structure import DecoderStack, within
+from lightdist.tensor_parallel import (
+    TensorParallelStyle,
+    UnitLayout,
+    attention_heads,
+    block_units,
+    check_divisible,
+    parallel_styles,
+    prepare_units,
+)
+
+__all__ = ["probe_layouts"]
+
+_LAYOUTS: tuple[UnitLayout, ...] = ("fast", "adapted", "global")
+NUMERIC_CHECK_LIMIT = 256 * 2**20  # parameters of one unit: 1 GiB in fp32, an 8B Llama's MLP
+
+
+def probe_layouts(
+    model: nn.Module,
+    stack: DecoderStack,
+    plan: dict[str, TensorParallelStyle],
+    tp_mesh: DeviceMesh,
+    *,
+    report: Callable[[str], Any] = print,
+) -> dict[str, UnitLayout]:
+    """The layout of each unit, by its name inside a block, for ``apply_tensor_parallel``. A collective of the
+    tensor-parallel ranks. Each unit that does not run fast is reported in one line: why, and what it costs."""
+    check_divisible(model, stack, plan, tp_mesh.size())
+    first = f"{stack.name}.{next(iter(stack.blocks.named_children()))[0]}"
+    units = {name: in_block for name, in_block in block_units(stack, plan).items() if within(name, first)}
+    inputs = _unit_inputs(model, stack, list(units))
+    if isinstance(inputs, str):
+        report(f"lightdist: tensor parallelism could not check the layout of {first} ({inputs}); it runs fast.")
+        return {}
+    layouts: dict[str, UnitLayout] = {}
+    for name, in_block in units.items():
+        unit_plan = {child[len(name) + 1 :]: style for child, style in plan.items() if child.rpartition(".")[0] == name}
+        layout, failures, collectives = _first_layout_that_matches(
+            model.get_submodule(name), unit_plan, tp_mesh, inputs[name]
+        )
+        where = f"{stack.name}.*.{in_block}" if in_block else f"{stack.name}.*"
+        what = type(model.get_submodule(name)).__name__
+        tried = "; ".join(f"{earlier}: {failure.rstrip('.')}" for earlier, failure in failures.items())
+        if layout is None:
+            raise ValueError(
+                f"Tensor parallelism cannot split {where} ({what}) in any layout: {tried}. Leave its projections out "
+                "of tp_plan (they are then replicated); or, for the fast layout, reshape with sizes read from "
+                "head-count attributes (self.num_heads); or, for the global one, register how torch places the op it "
+                "names (torch.distributed.tensor.experimental.register_sharding)."
+            )
+        layouts[in_block] = layout
+        if layout != "fast":
+            report(
+                f"lightdist: {where} ({what}) runs tensor-parallel {layout}, since {tried}. Per call it costs "
+                f"{_counted(collectives)}."
+            )
+    return layouts
+
+
+def _unit_inputs(model: nn.Module, stack: DecoderStack, names: list[str]) -> dict[str, tuple[tuple, dict]] | str:
+    """Each unit's (args, kwargs) in a forward pass of 8 tokens, or why there are none."""
+    captured: dict[str, tuple[tuple, dict]] = {}
+
+    def capture(name: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            # A copy: the unit may change what it is given (a key/value cache it appends to).
+            captured.setdefault(name, copy.deepcopy((args, kwargs)))
+
+        return hook
+
+    handles = [model.get_submodule(name).register_forward_pre_hook(capture(name), with_kwargs=True) for name in names]
+    try:
+        run_first_block(model, stack)
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [name for name in names if name not in captured]
+    return f"{', '.join(missing)} never ran" if missing else captured
+
+
+def _first_layout_that_matches(
+    unit: nn.Module, plan: dict[str, TensorParallelStyle], tp_mesh: DeviceMesh, inputs: tuple[tuple, dict]
+) -> tuple[UnitLayout | None, dict[str, str], dict[str, int]]:
+    """The first layout whose output equals the unsplit unit's on every rank, what the ones before it did, and the
+    collectives of one call in it."""
+    numeric = dist.get_backend(tp_mesh.get_group()) != "fake" and _size(unit) <= NUMERIC_CHECK_LIMIT
+    device = torch.device(tp_mesh.device_type if numeric else "meta")
+    reference = _seeded_copy(unit, device)
+    inputs = _seeded_inputs(inputs, device)
+    args, kwargs = copy.deepcopy(inputs)
+    with torch.no_grad():
+        expected = [x for x in tree_leaves(reference(*args, **kwargs)) if isinstance(x, Tensor)]
+    failures: dict[str, str] = {}
+    candidates = _LAYOUTS if attention_heads(unit) is not None else ("fast", "global")
+    for layout in candidates:
+        split = copy.deepcopy(reference)
+        units = {"": layout}
+        parallelize_module(
+            split,
+            tp_mesh,
+            parallel_styles(split, plan, units, tp_mesh.size(), sequence_parallel=False, loss_parallel=False),
+        )
+        prepare_units(split, plan, units, tp_mesh.size(), on_cpu=device.type == "cpu")
+        args, kwargs = copy.deepcopy(inputs)
+        comm = CommDebugMode()
+        try:
+            with comm, _quiet_shape_checks():
+                output = [x for x in tree_leaves(split(*args, **kwargs)) if isinstance(x, Tensor)]
+            failure = _difference(output, expected)
+            trained = [_whole(x).sum() for x in output if x.requires_grad]
+            if not failure and trained:  # and backward runs too
+                torch.stack(trained).sum().backward()
+        except Exception as error:  # the unit's own code, on shapes it was not written for
+            failure = f"{type(error).__name__}: {error}"
+        if _all_ranks_agree(not failure, tp_mesh):
+            return layout, failures, {str(op).rsplit(".", 1)[-1]: count for op, count in comm.get_comm_counts().items()}
+        failures[layout] = failure or "another rank's output differs"
+    return None, failures, {}
+
+
+@contextlib.contextmanager
+def _quiet_shape_checks() -> Iterator[None]:
+    """torch logs each shape error DTensor's sharding propagation meets before raising it: a layout that does not
+    fit is an expected answer here, said once in the report."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _whole(x: Tensor) -> Tensor:
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def _size(unit: nn.Module) -> int:
+    return sum(param.numel() for param in unit.parameters())
+
+
+def _seeded_copy(unit: nn.Module, device: torch.device) -> nn.Module:
+    """The unit with the same made-up weights on every rank, in fp32: equal on every rank without a collective, and
+    built on the meta device too."""
+    generator = torch.Generator().manual_seed(0)
+    unit = copy.deepcopy(unit)
+    on_meta = any(t.is_meta for t in (*unit.parameters(), *unit.buffers()))
+    unit = unit.to_empty(device=device) if on_meta or device.type == "meta" else unit.to(device)
+    unit.float()
+    if device.type == "meta":
+        return unit
+    with torch.no_grad():
+        for tensor in (*unit.parameters(), *(unit.buffers() if on_meta else ())):
+            if tensor.is_floating_point():
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.1)
+            else:
+                tensor.fill_(1)
+    return unit
+
+
+def _seeded_inputs(inputs: tuple[tuple, dict], device: torch.device) -> tuple[tuple, dict]:
+    """The unit's inputs with made-up values where they are floats (hidden states, rotary tables, additive masks),
+    so that every position and head differs; integers and booleans as the forward pass gave them."""
+    generator = torch.Generator().manual_seed(1)
+
+    def made_up(x):
+        if not isinstance(x, Tensor):
+            return x
+        if device.type == "meta":
+            return torch.empty_like(x, device=device)
+        if x.is_floating_point():
+            return torch.randn(x.shape, generator=generator).to(device)
+        return torch.ones(x.shape, dtype=x.dtype, device=device) if x.is_meta else x.to(device)
+
+    return tree_map(made_up, inputs)
+
+
+def _difference(output: list[Tensor], expected: list[Tensor]) -> str:
+    whole = [_whole(x).detach() for x in output]
+    if [x.shape for x in whole] != [x.shape for x in expected]:
+        return f"outputs of shapes {[tuple(x.shape) for x in whole]}, unsplit {[tuple(x.shape) for x in expected]}"
+    for got, want in zip(whole, expected, strict=True):
+        if want.is_meta:
+            continue
+        error = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-12)
+        if error > 1e-4:
+            return f"wrong outputs (relative error {error:.2g})"
+    return ""
+
+
+def _all_ranks_agree(ok: bool, tp_mesh: DeviceMesh) -> bool:
+    flag = torch.tensor([int(ok)], device=tp_mesh.device_type)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=tp_mesh.get_group())
+    return bool(flag.item())
+
+
+def _counted(collectives: dict[str, int]) -> str:
+    return ", ".join(f"{count} {name}" for name, count in sorted(collectives.items())) or "no collective"

@@ -1,0 +1,157 @@
+"""Each attention and MLP module gets the tensor-parallel layout its code computes right in, found by running it split
+on the ranks before training: no code is trusted to reshape with per-rank sizes, and code that would train a wrong
+model on local shards, without an error, runs on global shapes instead."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from lightdist.layout_probe import probe_layouts
+from lightdist.plan import format_plan
+from lightdist.structure import find_decoder_stack
+from lightdist.tensor_parallel import discover_plan
+
+from multirank import raised, run_ranks
+from training import MODELS
+
+pytestmark = pytest.mark.multirank
+
+HEADS = 4  # a module-level constant: what lightdist cannot find and set per rank
+
+
+class ConstantHeadsAttention(nn.Module):
+    """Attention reading its head count from a constant. On local shards it still runs, four heads of half the width
+    each: wrong numbers, no error."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        q, k, v = (proj(x).view(B, T, HEADS, -1).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+
+@torch.library.custom_op("zoo::mix_heads", mutates_args=())
+def mix_heads(x: Tensor) -> Tensor:
+    """A kernel of the user's own, as flash-attn's are: torch's DTensor has no rule for placing it."""
+    return x.flip(-2).clone()
+
+
+@mix_heads.register_fake
+def _(x: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
+class CustomKernelAttention(ConstantHeadsAttention):
+    """Reshapes with its input's width, then calls its own kernel."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        y = mix_heads(self.q(x).view(B, T, HEADS, C // HEADS))
+        return self.o(y.reshape(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, attention: type[nn.Module], width: int = 32) -> None:
+        super().__init__()
+        self.attn = attention(width)
+        self.mlp = nn.Sequential()
+        self.mlp.fc1, self.mlp.act, self.mlp.fc2 = nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+class TinyLM(nn.Module):
+    def __init__(self, attention: type[nn.Module]) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList(Block(attention) for _ in range(2))
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def layouts_and_reports(model: nn.Module) -> tuple[dict[str, str], list[str]]:
+    stack = find_decoder_stack(model)
+    reports: list[str] = []
+    layouts = probe_layouts(
+        model, stack, discover_plan(model, stack), init_device_mesh("cpu", (2,)), report=reports.append
+    )
+    return layouts, reports
+
+
+def probe_each() -> list:
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    try:
+        zoo = {name: MODELS[name](learning_rate=1e-3, warmup_steps=2) for name in PROBED}
+        probed = {name: layouts_and_reports(model) for name, model in zoo.items()}
+        probed["constant_heads"] = layouts_and_reports(TinyLM(ConstantHeadsAttention))
+        return [probed, raised(layouts_and_reports, TinyLM(CustomKernelAttention))]
+    finally:
+        dist.destroy_process_group()
+
+
+PROBED = ["llama", "hf_qwen2", "hf_opt", "zoo_nanogpt", "zoo_hf_gpt2_labels", "zoo_litgpt"]
+
+
+def test_each_unit_runs_in_the_first_layout_that_computes_what_one_process_computes() -> None:
+    (probed, unsplittable), _ = run_ranks(2, probe_each)
+    layouts = {name: layouts for name, (layouts, _) in probed.items()}
+    assert layouts == {
+        # head counts in attributes (lightdist's Llama) or in Hugging Face's config: each rank runs its own heads
+        "llama": {"self_attn": "fast", "mlp": "fast"},
+        "hf_qwen2": {"self_attn": "fast", "mlp": "fast"},
+        "hf_opt": {"self_attn": "fast", "": "fast"},  # fc1 and fc2 sit in the block itself
+        # nanoGPT reshapes with its input's width: no per-rank size can help, torch's DTensor places each op
+        "zoo_nanogpt": {"attn": "global", "mlp": "fast"},
+        # GPT-2 splits c_attn's output with split_size, LitGPT reads its heads from the config every block shares
+        "zoo_hf_gpt2_labels": {"attn": "adapted", "mlp": "fast"},
+        "zoo_litgpt": {"attn": "adapted", "mlp": "fast"},
+        # runs on local shards, wrongly: caught by its output, not by an error
+        "constant_heads": {"attn": "global", "mlp": "fast"},
+    }
+    (nanogpt_report,) = probed["zoo_nanogpt"][1]
+    assert nanogpt_report.startswith(
+        "lightdist: model.transformer.h.*.attn (CausalSelfAttention) runs tensor-parallel global, since fast: "
+        "ValueError: not enough values to unpack (expected 3, got 2); adapted: RuntimeError: shape"
+    )
+    assert nanogpt_report.endswith("Per call it costs 1 all_gather_into_tensor, 1 all_reduce.")
+    (constant_heads_report,) = probed["constant_heads"][1]
+    assert "fast: wrong outputs (relative error" in constant_heads_report
+    assert probed["llama"][1] == probed["hf_qwen2"][1] == []  # nothing to say where everything runs fast
+    assert unsplittable.startswith(
+        "ValueError: Tensor parallelism cannot split blocks.*.attn (CustomKernelAttention) in any layout: fast: "
+    )
+    assert (
+        "global: NotImplementedError: Operator zoo.mix_heads.default does not have a sharding strategy" in unsplittable
+    )
+    assert "Leave its projections out of tp_plan (they are then replicated)" in unsplittable
+
+
+def test_plan_shows_each_module_layout_before_any_process_starts() -> None:
+    """`lightdist plan --tp 2` runs the check in torch's fake process group, on the meta device: shapes only."""
+    with torch.device("meta"):
+        nanogpt = MODELS["zoo_nanogpt"](learning_rate=1e-3, warmup_steps=2)
+    lines = format_plan(nanogpt, tp=2).splitlines()
+    assert "  model.transformer.h.*.attn                       global" in lines
+    assert "  model.transformer.h.*.mlp                        fast" in lines
+    assert any(
+        line.startswith("  model.transformer.h.*.attn (CausalSelfAttention) runs tensor-parallel global, since")
+        for line in lines
+    )
+    assert not dist.is_initialized()
