@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -61,8 +62,12 @@ def probe_layouts(
     units = {name: in_block for name, in_block in block_units(stack, plan).items() if within(name, first)}
     inputs = _unit_inputs(model, stack, list(units))
     if isinstance(inputs, str):
-        report(f"lightdist: tensor parallelism could not check the layout of {first} ({inputs}); it runs fast.")
-        return {}
+        report(
+            f"lightdist: tensor parallelism could not check the layout of {first} ({inputs}), so its modules run "
+            "global: right for any code of torch ops, at some cost. Let the module holding the blocks run on token "
+            "ids alone (model(ids)) for the check to find the fast layout."
+        )
+        return dict.fromkeys(units.values(), "global")
     layouts: dict[str, UnitLayout] = {}
     for name, in_block in units.items():
         unit_plan = {child[len(name) + 1 :]: style for child, style in plan.items() if child.rpartition(".")[0] == name}
@@ -133,16 +138,17 @@ def _first_layout_that_matches(
             tp_mesh,
             parallel_styles(split, plan, units, tp_mesh.size(), sequence_parallel=False, loss_parallel=False),
         )
-        prepare_units(split, plan, units, tp_mesh.size(), on_cpu=device.type == "cpu")
+        prepare_units(split, plan, units, tp_mesh)
         args, kwargs = copy.deepcopy(inputs)
         comm = CommDebugMode()
         try:
-            with comm, _quiet_shape_checks():
-                output = [x for x in tree_leaves(split(*args, **kwargs)) if isinstance(x, Tensor)]
-            failure = _difference(output, expected)
-            trained = [_whole(x).sum() for x in output if x.requires_grad]
-            if not failure and trained:  # and backward runs too
-                torch.stack(trained).sum().backward()
+            with _quietly():
+                with comm:
+                    output = [x for x in tree_leaves(split(*args, **kwargs)) if isinstance(x, Tensor)]
+                failure = _difference(output, expected)
+                trained = [_whole(x).sum() for x in output if x.requires_grad]
+                if not failure and trained:  # and backward runs too
+                    torch.stack(trained).sum().backward()
         except Exception as error:  # the unit's own code, on shapes it was not written for
             failure = f"{type(error).__name__}: {error}"
         if _all_ranks_agree(not failure, tp_mesh):
@@ -152,14 +158,17 @@ def _first_layout_that_matches(
 
 
 @contextlib.contextmanager
-def _quiet_shape_checks() -> Iterator[None]:
-    """torch logs each shape error DTensor's sharding propagation meets before raising it: a layout that does not
-    fit is an expected answer here, said once in the report."""
+def _quietly() -> Iterator[None]:
+    """Without what torch says along the way, here expected: the shape errors DTensor's sharding propagation logs
+    before raising them (a layout that does not fit is an answer, said once in the report), and the warning about
+    full backward hooks that ``CommDebugMode``'s module tracker sets off on inputs that need no gradient."""
     logger = logging.getLogger("torch._subclasses.fake_tensor")
     level = logger.level
     logger.setLevel(logging.CRITICAL)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
+            yield
     finally:
         logger.setLevel(level)
 

@@ -42,6 +42,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._pytree import tree_map
 
 from lightdist.dataflow import trace_block_plan
 from lightdist.structure import DecoderStack, in_features, is_conv1d, is_projection, out_features, within
@@ -424,13 +425,28 @@ def _global_styles(*, sequence_parallel: bool) -> dict[TensorParallelStyle, Para
     }
 
 
-def _run_on_global_shapes(module: nn.Module, *, on_cpu: bool) -> None:
-    """Run ``module``'s own forward where plain tensors (masks, rotary tables it makes or gets) count as replicated
-    DTensors. On CPU, attention takes SDPA's math kernel: torch places DTensor ops for the fused CPU kernel nowhere."""
+# Where Hugging Face attention gets the key/value cache it appends to (``cache.update(keys, values, layer)``).
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _run_on_global_shapes(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Run ``module``'s own forward on DTensors: the tensors it is given (rotary tables, masks; not integer positions,
+    which index) become replicated DTensors, so that backward meets DTensors too, and those it makes count as
+    replicated. On CPU, attention takes SDPA's math kernel: torch places DTensor ops for the fused CPU kernel nowhere.
+    A key/value cache is not passed on: a training step never reads it back, and its plain tensors cannot take the
+    DTensor keys (Hugging Face models build one on every forward unless ``use_cache=False``)."""
     forward = module.forward
+    on_cpu = tp_mesh.device_type == "cpu"
+
+    def replicated(x):
+        if not _is_local(x) or not (x.is_floating_point() or x.dtype == torch.bool):
+            return x
+        return DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False)
 
     @functools.wraps(forward)
     def global_forward(*args, **kwargs):
+        kwargs.update((name, None) for name in _CACHE_ARGUMENTS if callable(getattr(kwargs.get(name), "update", None)))
+        args, kwargs = tree_map(replicated, (args, kwargs))
         with implicit_replication(), sdpa_kernel(SDPBackend.MATH) if on_cpu else contextlib.nullcontext():
             return forward(*args, **kwargs)
 
@@ -495,7 +511,7 @@ def apply_tensor_parallel(
     for owner, user in tied:
         # Parallelising each module gave the shared weight two DTensors; both are split by vocabulary, so one serves.
         user.weight = owner.weight
-    prepare_units(model, plan, units, tp, on_cpu=tp_mesh.device_type == "cpu")
+    prepare_units(model, plan, units, tp_mesh)
     for name, module in model.named_modules():
         if stack.contains(name) and not _inside(name, list(units)):
             _set_heads_per_rank(module, attention_heads(module), tp)
@@ -546,14 +562,14 @@ def parallel_styles(
 
 
 def prepare_units(
-    model: nn.Module, plan: dict[str, TensorParallelStyle], units: dict[str, UnitLayout], tp: int, *, on_cpu: bool
+    model: nn.Module, plan: dict[str, TensorParallelStyle], units: dict[str, UnitLayout], tp_mesh: DeviceMesh
 ) -> None:
     """Make each unit's code fit its layout, after its projections are split."""
-    modules = dict(model.named_modules())
+    modules, tp = dict(model.named_modules()), tp_mesh.size()
     for name, layout in units.items():
         unit = modules[name]
         if layout == "global":
-            _run_on_global_shapes(unit, on_cpu=on_cpu)
+            _run_on_global_shapes(unit, tp_mesh)
             continue
         counts = attention_heads(unit)
         if layout == "adapted" and counts is not None:

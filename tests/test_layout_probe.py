@@ -4,6 +4,9 @@ model on local shards, without an error, runs on global shapes instead."""
 
 from __future__ import annotations
 
+import copy
+from functools import cache
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from lightdist.layout_probe import probe_layouts
 from lightdist.plan import format_plan
 from lightdist.structure import find_decoder_stack
-from lightdist.tensor_parallel import discover_plan
+from lightdist.tensor_parallel import apply_tensor_parallel, discover_plan
 
 from multirank import raised, run_ranks
 from training import MODELS
@@ -94,6 +97,27 @@ def layouts_and_reports(model: nn.Module) -> tuple[dict[str, str], list[str]]:
     return layouts, reports
 
 
+def global_layout_differences() -> tuple[float, float]:
+    """Hugging Face Llama with its attention and MLP forced to the global layout, against one process: the loss and
+    the largest gradient difference. Its rotary tables reach backward, and it builds a key/value cache every step."""
+    torch.manual_seed(0)
+    model = MODELS["zoo_hf_llama_labels"](learning_rate=1e-3, warmup_steps=2).model
+    tokens = torch.arange(64).view(2, 32) % 64
+    whole = copy.deepcopy(model)
+    expected = whole(input_ids=tokens, labels=tokens).loss
+    expected.backward()
+    stack = find_decoder_stack(model)
+    mesh = init_device_mesh("cpu", (2,))
+    layouts = {"self_attn": "global", "mlp": "global"}
+    apply_tensor_parallel(model, stack, mesh, plan=discover_plan(model, stack), layouts=layouts)
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    gradients = zip(model.parameters(), whole.parameters(), strict=True)
+    return abs(loss.item() - expected.item()), max(
+        (p.grad.full_tensor() - q.grad).abs().max().item() for p, q in gradients
+    )
+
+
 def probe_each() -> list:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -101,16 +125,21 @@ def probe_each() -> list:
         zoo = {name: MODELS[name](learning_rate=1e-3, warmup_steps=2) for name in PROBED}
         probed = {name: layouts_and_reports(model) for name, model in zoo.items()}
         probed["constant_heads"] = layouts_and_reports(TinyLM(ConstantHeadsAttention))
-        return [probed, raised(layouts_and_reports, TinyLM(CustomKernelAttention))]
+        return [probed, raised(layouts_and_reports, TinyLM(CustomKernelAttention)), global_layout_differences()]
     finally:
         dist.destroy_process_group()
+
+
+@cache
+def probed_on_two_ranks() -> list:
+    return run_ranks(2, probe_each)[0]
 
 
 PROBED = ["llama", "hf_qwen2", "hf_opt", "zoo_nanogpt", "zoo_hf_gpt2_labels", "zoo_litgpt"]
 
 
 def test_each_unit_runs_in_the_first_layout_that_computes_what_one_process_computes() -> None:
-    (probed, unsplittable), _ = run_ranks(2, probe_each)
+    probed, unsplittable, _ = probed_on_two_ranks()
     layouts = {name: layouts for name, (layouts, _) in probed.items()}
     assert layouts == {
         # head counts in attributes (lightdist's Llama) or in Hugging Face's config: each rank runs its own heads
@@ -155,3 +184,27 @@ def test_plan_shows_each_module_layout_before_any_process_starts() -> None:
         for line in lines
     )
     assert not dist.is_initialized()
+
+
+def test_any_unit_trains_in_the_global_layout_as_one_process_does() -> None:
+    *_, (loss_difference, largest_gradient_difference) = probed_on_two_ranks()
+    assert loss_difference < 1e-6
+    assert largest_gradient_difference < 1e-6
+
+
+class NeedsAMask(TinyLM):
+    """A forward that cannot run on token ids alone: the check cannot see its modules' inputs."""
+
+    def forward(self, tokens: Tensor, mask: Tensor) -> Tensor:
+        return super().forward(tokens * mask)
+
+
+def test_a_model_the_check_cannot_run_gets_the_layout_right_for_any_code_and_says_why() -> None:
+    with torch.device("meta"):
+        model = NeedsAMask(ConstantHeadsAttention)
+    lines = format_plan(model, tp=2).splitlines()
+    assert "  blocks.*.attn                                    global" in lines
+    (line,) = [line for line in lines if "could not check" in line]
+    assert line.startswith("  tensor parallelism could not check the layout of blocks.0 (running the model on 8 tokens")
+    assert "missing 1 required positional argument: 'mask'" in line
+    assert "so its modules run global" in line
