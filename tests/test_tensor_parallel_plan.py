@@ -16,9 +16,14 @@ def plan_of(model: nn.Module, **options) -> dict[str, str]:
     return discover_plan(model, find_decoder_stack(model), **options)
 
 
+def styles_under(plan: dict[str, str], prefix: str) -> dict[str, str]:
+    """The styles of one block's modules, by full name."""
+    return {name: style for name, style in plan.items() if name.startswith(prefix)}
+
+
 def test_llama_blocks_split_column_then_row_with_vocab_parallel_ends() -> None:
     plan = plan_of(Llama("tiny"))
-    assert {name: style for name, style in plan.items() if name.startswith("model.layers.0.")} == {
+    assert styles_under(plan, "model.layers.0.") == {
         "model.layers.0.self_attn.q_proj": "colwise",
         "model.layers.0.self_attn.k_proj": "colwise",
         "model.layers.0.self_attn.v_proj": "colwise",
@@ -53,13 +58,13 @@ def test_a_model_plan_with_styles_lightdist_does_not_apply_is_set_aside_for_its_
 def test_phi3_fused_projections_cut_by_slicing_are_found_in_the_data_flow() -> None:
     """Phi-3 carries a plan lightdist does not apply; its attention slices q, k and v out of qkv_proj."""
     plan = plan_of(MODELS["zoo_hf_phi3_labels"](learning_rate=1e-3, warmup_steps=2))
-    assert {
-        name: style for name, style in plan.items() if name.startswith("model.model.layers.0.") and "proj" in name
-    } == {
+    assert styles_under(plan, "model.model.layers.0.") == {
         "model.model.layers.0.self_attn.qkv_proj": "qkv",
         "model.model.layers.0.self_attn.o_proj": "rowwise",
         "model.model.layers.0.mlp.gate_up_proj": "gate_up",
         "model.model.layers.0.mlp.down_proj": "rowwise",
+        "model.model.layers.0.input_layernorm": "replicate",
+        "model.model.layers.0.post_attention_layernorm": "replicate",
     }
 
 
@@ -72,7 +77,7 @@ def test_explicit_plan_patterns_replace_discovery() -> None:
 
 def test_gpt2_splits_its_fused_qkv_by_part_and_ties_head_to_embedding() -> None:
     plan = plan_of(GPT2("tiny"))
-    assert {name: style for name, style in plan.items() if name.startswith("model.h.0.")} == {
+    assert styles_under(plan, "model.h.0.") == {
         "model.h.0.attn.c_attn": "qkv",
         "model.h.0.attn.c_proj": "rowwise",
         "model.h.0.mlp.c_fc": "colwise",
@@ -101,7 +106,7 @@ def test_no_plan_found_lists_the_layers_and_asks_for_tp_plan_naming_them() -> No
 def test_the_plan_of_a_network_held_in_an_attribute_is_traced_through_the_module_the_step_calls() -> None:
     """LitGPT's names are no known family's, and its LightningModule has no forward: its GPT is traced."""
     plan = plan_of(MODELS["zoo_litgpt"](learning_rate=1e-3, warmup_steps=2))
-    assert {name: style for name, style in plan.items() if name.startswith("model.transformer.h.0.")} == {
+    assert styles_under(plan, "model.transformer.h.0.") == {
         "model.transformer.h.0.attn.qkv": "qkv",  # q, k and v of unequal widths (grouped-query attention)
         "model.transformer.h.0.attn.proj": "rowwise",
         "model.transformer.h.0.mlp.fc_1": "colwise",
@@ -115,20 +120,20 @@ def test_the_plan_of_a_network_held_in_an_attribute_is_traced_through_the_module
 
 def test_hugging_face_conv1d_projections_are_split_like_linear_ones() -> None:
     plan = plan_of(MODELS["zoo_hf_gpt2_labels"](learning_rate=1e-3, warmup_steps=2))
-    assert {
-        name: style for name, style in plan.items() if name.startswith("model.transformer.h.0.") and "c_" in name
-    } == {
+    assert styles_under(plan, "model.transformer.h.0.") == {
         "model.transformer.h.0.attn.c_attn": "qkv",
         "model.transformer.h.0.attn.c_proj": "rowwise",
         "model.transformer.h.0.mlp.c_fc": "colwise",
         "model.transformer.h.0.mlp.c_proj": "rowwise",
+        "model.transformer.h.0.ln_1": "replicate",
+        "model.transformer.h.0.ln_2": "replicate",
     }
 
 
 def test_unknown_names_are_paired_by_following_the_data_flow() -> None:
     model = UnknownFamilyLM(learning_rate=1e-3, warmup_steps=2)
     plan = plan_of(model)
-    assert {name: style for name, style in plan.items() if name.startswith("blocks.0.")} == {
+    assert styles_under(plan, "blocks.0.") == {
         "blocks.0.mixer.to_qkv": "qkv",  # cut into 3 by chunk: q, k and v
         "blocks.0.mixer.to_out": "rowwise",
         "blocks.0.ffn.expand": "gate_up",  # cut into 2: gate and up
