@@ -212,7 +212,16 @@ class Colwise(ColwiseParallel):
 
 
 class Rowwise(RowwiseParallel):
-    """torch's ``RowwiseParallel``, also for ``Conv1D``: split by input features, its weight by rows."""
+    """torch's ``RowwiseParallel``, also for ``Conv1D``: split by input features, its weight by rows.
+
+    A local output is a tensor of its own, not ``to_local``'s view: residual code adds into it in place (Falcon's
+    ``mlp_output += attention_output``), which autograd refuses on a view a custom Function made.
+    """
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, module, outputs, device_mesh):
+        outputs = RowwiseParallel._prepare_output_fn(output_layouts, False, module, outputs, device_mesh)
+        return outputs.to_local().clone() if use_local_output else outputs
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not is_conv1d(module):

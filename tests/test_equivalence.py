@@ -114,6 +114,10 @@ CASES = {
         "zoo_hf_neox_tp2_interleaved_qkv_logits": Case(strategy=dict(TP2, zero_stage=2), model="zoo_hf_neox_logits"),
         "zoo_hf_neox_pp2_logits": Case(strategy=dict(PP2), model="zoo_hf_neox_logits"),
         "zoo_hf_opt_tp2_labels": Case(strategy=dict(TP2_NO_SP), model="zoo_hf_opt_labels"),
+        # one key/value head fused with the queries: global; its block adds into the MLP's output in place
+        "zoo_hf_falcon_tp2_multi_query_global_in_place_residual": Case(
+            strategy=dict(TP2_NO_SP, zero_stage=3), model="zoo_hf_falcon_logits"
+        ),
     },
     4: {
         "zero2_clip": Case(strategy=dict(zero_stage=2), gradient_clip_val=0.1),
@@ -156,6 +160,7 @@ CASES = {
         "zoo_litgpt_pp2_tp2_clip": Case(strategy=dict(PP2, **TP2), model="zoo_litgpt", gradient_clip_val=0.1),
         "zoo_hf_phi3_pp2_tp2_labels": Case(strategy=dict(PP2, **TP2_NO_SP), model="zoo_hf_phi3_labels"),
         "zoo_hf_neox_pp2_tp2_logits": Case(strategy=dict(PP2, **TP2), model="zoo_hf_neox_logits"),
+        "zoo_hf_falcon_pp2_tp2_global_logits": Case(strategy=dict(PP2, **TP2), model="zoo_hf_falcon_logits"),
         "zoo_nanogpt_tp2_dp2_global_attention_without_sequence_parallel": Case(
             strategy=dict(TP2_NO_SP, zero_stage=3), model="zoo_nanogpt"
         ),

@@ -173,6 +173,16 @@ MODELS = {
     "zoo_hf_opt_labels": partial(
         zoo.HuggingFaceLabels, model_type="opt", ffn_dim=176, word_embed_proj_dim=64, dropout=0.0, **zoo.HF_TINY
     ),
+    "zoo_hf_falcon_logits": partial(
+        zoo.HuggingFaceLogits,
+        model_type="falcon",
+        multi_query=True,
+        new_decoder_architecture=False,
+        parallel_attn=True,
+        bias=False,
+        alibi=False,
+        **zoo.HF_TINY,
+    ),
     "zoo_hf_gpt2_labels": partial(
         zoo.HuggingFaceLabels,
         model_type="gpt2",
