@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
 from lightdist.layout_probe import probe_layouts
@@ -118,6 +119,19 @@ def global_layout_differences() -> tuple[float, float]:
     )
 
 
+def global_state_dict_difference() -> float:
+    """nanoGPT with its attention global (fused c_attn split plainly) saves what the unsplit model saves."""
+    torch.manual_seed(0)
+    model = MODELS["zoo_nanogpt"](learning_rate=1e-3, warmup_steps=2)
+    whole = copy.deepcopy(model.state_dict())
+    stack = find_decoder_stack(model)
+    mesh = init_device_mesh("cpu", (2,))
+    apply_tensor_parallel(model, stack, mesh, plan=discover_plan(model, stack), layouts={"attn": "global"})
+    saved = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    assert saved.keys() == whole.keys()
+    return max((saved[name] - whole[name]).abs().max().item() for name in whole)
+
+
 def probe_each() -> list:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -125,7 +139,12 @@ def probe_each() -> list:
         zoo = {name: MODELS[name](learning_rate=1e-3, warmup_steps=2) for name in PROBED}
         probed = {name: layouts_and_reports(model) for name, model in zoo.items()}
         probed["constant_heads"] = layouts_and_reports(TinyLM(ConstantHeadsAttention))
-        return [probed, raised(layouts_and_reports, TinyLM(CustomKernelAttention)), global_layout_differences()]
+        return [
+            probed,
+            raised(layouts_and_reports, TinyLM(CustomKernelAttention)),
+            global_layout_differences(),
+            global_state_dict_difference(),
+        ]
     finally:
         dist.destroy_process_group()
 
@@ -139,7 +158,7 @@ PROBED = ["llama", "hf_qwen2", "hf_opt", "zoo_nanogpt", "zoo_hf_gpt2_labels", "z
 
 
 def test_each_unit_runs_in_the_first_layout_that_computes_what_one_process_computes() -> None:
-    probed, unsplittable, _ = probed_on_two_ranks()
+    probed, unsplittable, *_ = probed_on_two_ranks()
     layouts = {name: layouts for name, (layouts, _) in probed.items()}
     assert layouts == {
         # head counts in attributes (lightdist's Llama) or in Hugging Face's config: each rank runs its own heads
@@ -187,9 +206,10 @@ def test_plan_shows_each_module_layout_before_any_process_starts() -> None:
 
 
 def test_any_unit_trains_in_the_global_layout_as_one_process_does() -> None:
-    *_, (loss_difference, largest_gradient_difference) = probed_on_two_ranks()
+    *_, (loss_difference, largest_gradient_difference), state_dict_difference = probed_on_two_ranks()
     assert loss_difference < 1e-6
     assert largest_gradient_difference < 1e-6
+    assert state_dict_difference == 0  # checkpoints hold the model's own layout, whatever layout runs
 
 
 class NeedsAMask(TinyLM):
