@@ -130,13 +130,15 @@ class _StageBlocks(nn.ModuleList):
 
 
 class _EmbeddingPlaceholder(nn.Module):
-    """An embedding on later stages: zeros of its output shape, replaced at the first block by the received input."""
+    """An embedding on later stages: zeros of its output shape, replaced at the first block by the received input.
+    Whatever else it is called with (OPT's learned positions get the attention mask and ``position_ids``) leaves
+    that shape as it is."""
 
     def __init__(self, embedding_dim: int) -> None:
         super().__init__()
         self.embedding_dim = embedding_dim
 
-    def forward(self, indices: Tensor) -> Tensor:
+    def forward(self, indices: Tensor, *args, **kwargs) -> Tensor:
         return torch.zeros(*indices.shape, self.embedding_dim, device=indices.device)
 
 

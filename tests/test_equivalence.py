@@ -118,6 +118,11 @@ CASES = {
         "zoo_hf_falcon_tp2_multi_query_global_in_place_residual": Case(
             strategy=dict(TP2_NO_SP, zero_stage=3), model="zoo_hf_falcon_logits"
         ),
+        "zoo_hf_mistral_pp2_logits": Case(strategy=dict(PP2), model="zoo_hf_mistral_logits"),
+        "zoo_hf_gemma_pp2_labels": Case(strategy=dict(PP2), model="zoo_hf_gemma_labels"),
+        # OPT's learned positions are called with the attention mask and position_ids on every stage
+        "zoo_hf_opt_pp2_learned_positions_labels": Case(strategy=dict(PP2), model="zoo_hf_opt_labels"),
+        "zoo_hf_falcon_pp2_logits": Case(strategy=dict(PP2), model="zoo_hf_falcon_logits"),
     },
     4: {
         "zero2_clip": Case(strategy=dict(zero_stage=2), gradient_clip_val=0.1),
