@@ -166,6 +166,8 @@ CASES = {
         "zoo_hf_phi3_pp2_tp2_labels": Case(strategy=dict(PP2, **TP2_NO_SP), model="zoo_hf_phi3_labels"),
         "zoo_hf_neox_pp2_tp2_logits": Case(strategy=dict(PP2, **TP2), model="zoo_hf_neox_logits"),
         "zoo_hf_falcon_pp2_tp2_global_logits": Case(strategy=dict(PP2, **TP2), model="zoo_hf_falcon_logits"),
+        "zoo_hf_mistral_pp2_tp2_logits": Case(strategy=dict(PP2, **TP2), model="zoo_hf_mistral_logits"),
+        "zoo_hf_opt_pp2_tp2_labels": Case(strategy=dict(PP2, **TP2_NO_SP), model="zoo_hf_opt_labels"),
         "zoo_nanogpt_tp2_dp2_global_attention_without_sequence_parallel": Case(
             strategy=dict(TP2_NO_SP, zero_stage=3), model="zoo_nanogpt"
         ),
