@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
+import os
+import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -150,7 +153,7 @@ def _first_layout_that_matches(
                 if not failure and trained:  # and backward runs too
                     torch.stack(trained).sum().backward()
         except Exception as error:  # the unit's own code, on shapes it was not written for
-            failure = f"{type(error).__name__}: {error}"
+            failure = f"{type(error).__name__}: {str(error).rstrip('.')}{_in_own_code(error, unit)}"
         if _all_ranks_agree(not failure, tp_mesh):
             return layout, failures, {str(op).rsplit(".", 1)[-1]: count for op, count in comm.get_comm_counts().items()}
         failures[layout] = failure or "another rank's output differs"
@@ -171,6 +174,20 @@ def _quietly() -> Iterator[None]:
             yield
     finally:
         logger.setLevel(level)
+
+
+def _in_own_code(error: Exception, unit: nn.Module) -> str:
+    """The line of the unit's own code the error came from (the model's file, not torch's), for the user to change."""
+    files = set()
+    for module in unit.modules():
+        if not type(module).__module__.startswith(("torch.", "lightdist.")):
+            with contextlib.suppress(TypeError):
+                files.add(inspect.getsourcefile(type(module)))
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if frame.filename in files]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f" (at {os.path.basename(frame.filename)}:{frame.lineno}: {frame.line})"
 
 
 def _whole(x: Tensor) -> Tensor:

@@ -168,6 +168,11 @@ CASES = {
         "zoo_hf_falcon_pp2_tp2_global_logits": Case(strategy=dict(PP2, **TP2), model="zoo_hf_falcon_logits"),
         "zoo_hf_mistral_pp2_tp2_logits": Case(strategy=dict(PP2, **TP2), model="zoo_hf_mistral_logits"),
         "zoo_hf_opt_pp2_tp2_labels": Case(strategy=dict(PP2, **TP2_NO_SP), model="zoo_hf_opt_labels"),
+        "zoo_hf_llama_pp2_tp2_labels": Case(strategy=dict(PP2, **TP2_NO_SP), model="zoo_hf_llama_labels"),
+        "zoo_hf_llama_pp2_tp2_base_model_then_head": Case(
+            strategy=dict(PP2, **TP2), model="zoo_hf_llama_base_and_head"
+        ),
+        "zoo_hf_gemma_pp2_tp2_labels": Case(strategy=dict(PP2, **TP2_NO_SP), model="zoo_hf_gemma_labels"),
         "zoo_nanogpt_tp2_dp2_global_attention_without_sequence_parallel": Case(
             strategy=dict(TP2_NO_SP, zero_stage=3), model="zoo_nanogpt"
         ),

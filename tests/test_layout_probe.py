@@ -176,8 +176,10 @@ def test_each_unit_runs_in_the_first_layout_that_computes_what_one_process_compu
     (nanogpt_report,) = probed["zoo_nanogpt"][1]
     assert nanogpt_report.startswith(
         "lightdist: model.transformer.h.*.attn (CausalSelfAttention) runs tensor-parallel global, since fast: "
-        "ValueError: not enough values to unpack (expected 3, got 2); adapted: RuntimeError: shape"
+        "ValueError: not enough values to unpack (expected 3, got 2) (at "
     )
+    # each failure names the line of the model's own code it came from
+    assert ": q, k, v = self.c_attn(x).split(self.n_embd, dim=2)); adapted: RuntimeError: shape" in nanogpt_report
     assert nanogpt_report.endswith("Per call it costs 1 all_gather_into_tensor, 1 all_reduce.")
     (constant_heads_report,) = probed["constant_heads"][1]
     assert "fast: wrong outputs (relative error" in constant_heads_report
@@ -188,6 +190,7 @@ def test_each_unit_runs_in_the_first_layout_that_computes_what_one_process_compu
     assert (
         "global: NotImplementedError: Operator zoo.mix_heads.default does not have a sharding strategy" in unsplittable
     )
+    assert ": y = mix_heads(self.q(x).view(B, T, HEADS, C // HEADS)))" in unsplittable
     assert "Leave its projections out of tp_plan (they are then replicated)" in unsplittable
 
 
