@@ -1,19 +1,34 @@
 """The parallel layout: how many ranks go to each dimension, and the DeviceMesh built from it.
 
 Mesh dims are ``("pp", "dp", "tp")``: tensor parallel innermost (neighbouring ranks, the fastest links inside a
-node), pipeline outermost. Sub-meshes are always taken by name, never by position.
+node), pipeline outermost. Sub-meshes are always taken by name, never by position; Lightning's names for two of them
+(``"data_parallel"``, ``"tensor_parallel"``) answer too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+import torch
+from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MESH_DIM_NAMES", "ParallelLayout"]
+__all__ = ["MESH_DIM_NAMES", "ParallelLayout", "ParallelMesh"]
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
+
+
+class ParallelMesh(DeviceMesh):
+    """The ``("pp", "dp", "tp")`` mesh, whose sub-meshes also go by the names Lightning's ``ModelParallelStrategy``
+    gives them: a ``configure_model`` written for it (``self.device_mesh["tensor_parallel"]``) runs unchanged, on the
+    very process groups lightdist uses."""
+
+    LIGHTNING_NAMES: ClassVar[dict[str, str]] = {"data_parallel": "dp", "tensor_parallel": "tp"}
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        if isinstance(names, str):
+            return super().__getitem__(self.LIGHTNING_NAMES.get(names, names))
+        return super().__getitem__(tuple(self.LIGHTNING_NAMES.get(name, name) for name in names))
 
 
 @dataclass(frozen=True)
@@ -60,8 +75,9 @@ class ParallelLayout:
     def world_size(self) -> int:
         return self.pp * self.dp * self.tp
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIM_NAMES)
+    def build_mesh(self, device_type: str) -> ParallelMesh:
+        ranks = torch.arange(self.world_size, dtype=torch.int, device="cpu").view(self.pp, self.dp, self.tp)
+        return ParallelMesh(device_type, ranks, mesh_dim_names=MESH_DIM_NAMES)
 
     def __str__(self) -> str:
         return f"pp={self.pp} x dp={self.dp} x tp={self.tp}"

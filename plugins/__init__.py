@@ -1,16 +1,24 @@
 """The Lightning face of lightdist: strategies registered by name for ``Trainer(strategy=...)``, the checkpoint
-callback for their sharded checkpoints, a W&B logger that goes offline rather than stop a run, and a callback that
-logs throughput, MFU, memory and the other costs of a run."""
+callback and ``CheckpointIO`` for their sharded checkpoints, a W&B logger that goes offline rather than stop a run,
+and a callback that logs throughput, MFU, memory and the other costs of a run."""
 
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightdist.plugins.checkpoint import ModelCheckpoint
+from lightdist.plugins.checkpoint_io import ShardedCheckpointIO
 from lightdist.plugins.loggers import WandbLogger
 from lightdist.plugins.monitor import TrainingMonitor
 from lightdist.plugins.non_finite import NonFiniteError
 from lightdist.plugins.strategy import ParallelStrategy
 
-__all__ = ["ModelCheckpoint", "NonFiniteError", "ParallelStrategy", "TrainingMonitor", "WandbLogger"]
+__all__ = [
+    "ModelCheckpoint",
+    "NonFiniteError",
+    "ParallelStrategy",
+    "ShardedCheckpointIO",
+    "TrainingMonitor",
+    "WandbLogger",
+]
 
 if "lightdist" not in StrategyRegistry:
     ParallelStrategy.register_strategies(StrategyRegistry)

@@ -81,7 +81,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             self._remove_checkpoint(trainer, self._last_only_path)
             self._last_only_path = ""
         self.last_model_path = self._path(self.CHECKPOINT_NAME_LAST)
-        trainer.strategy.point_checkpoint(self.last_model_path, self._last_checkpoint_saved)
+        trainer.strategy.checkpoint_io.point(self.last_model_path, self._last_checkpoint_saved)
 
     @override
     def file_exists(self, filepath: str, trainer: pl.Trainer) -> bool:

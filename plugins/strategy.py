@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Generator, Iterable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
@@ -13,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.init import _materialize_distributed_module
@@ -28,14 +28,9 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed import ReduceOp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -48,7 +43,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightdist.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
-from lightdist.async_checkpoint import AsyncMode, CheckpointSaver, buffers_copied
+from lightdist.async_checkpoint import AsyncMode, buffers_copied
 from lightdist.heartbeat import Heartbeat, describe_ranks, failed_collective
 from lightdist.layout import MESH_DIM_NAMES, ParallelLayout
 from lightdist.layout_probe import probe_layouts
@@ -64,6 +59,7 @@ from lightdist.pipeline import (
 )
 from lightdist.planner import GiB
 from lightdist.plugins.auto_layout import planned_layout
+from lightdist.plugins.checkpoint_io import ShardedCheckpointIO
 from lightdist.plugins.metric_sync import (
     metrics_of,
     metrics_set_aside,
@@ -78,13 +74,7 @@ from lightdist.plugins.resume import resuming_launcher
 from lightdist.restarts import nodes_started_by_torchrun, round_store
 from lightdist.rng import set_rng_state
 from lightdist.sharding import ShardedOptimizer, ZeroStage, apply_data_parallel
-from lightdist.storage import (
-    check_same_model,
-    configure,
-    load_sharded,
-    read_metadata,
-    resolve,
-)
+from lightdist.storage import configure, resolve
 from lightdist.structure import DecoderStack, find_decoder_stack, find_repeated_blocks
 from lightdist.tensor_parallel import (
     TensorParallelStyle,
@@ -250,19 +240,18 @@ class ParallelStrategy(ModelParallelStrategy):
         self._loss_parallel = loss_parallel
         self._cpu_offload = cpu_offload
         self._tp_plan = tp_plan
-        self._async_checkpoint = async_checkpoint
         self._non_finite = non_finite
         self._non_finite_steps = 0
         self._heartbeat: Heartbeat | None = None
         # Applied now: Lightning looks for ckpt_path="last" before any strategy hook runs. Every rank's process builds
         # the strategy (the script runs in each, under torchrun and Lightning's launcher alike).
         configure(storage_options or {})
-        self._checkpoints: CheckpointSaver | None = None
+        self._async_checkpoint = async_checkpoint
         self._failed_saves_reported = 0
-        self._checkpoint_blocked_s = 0.0
         self._rng_state_to_restore: dict[str, Any] | None = None
         self._layout: ParallelLayout | None = None
         self._parallel_root: _ParallelRoot | None = None
+        self._sharded_by_configure_model = False
 
     @property
     def layout(self) -> ParallelLayout:
@@ -387,8 +376,8 @@ class ParallelStrategy(ModelParallelStrategy):
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
-        if self._checkpoints is not None:
-            self._checkpoints.wait()  # the last upload finishes before the process may exit
+        if self.checkpoint_io.in_use:
+            self.checkpoint_io.wait()  # the last upload finishes before the process may exit
             self._report_failed_saves()
             trainer = self.lightning_module.trainer if self.lightning_module is not None else None
             if trainer is not None and trainer.state.status == TrainerStatus.RUNNING:  # not after an error
@@ -463,7 +452,7 @@ class ParallelStrategy(ModelParallelStrategy):
     def checkpoint_blocked_s(self) -> float:
         """Seconds training has waited on checkpoint saves in this process: staging each into CPU memory, and saves
         that could not go to the background."""
-        return self._checkpoint_blocked_s
+        return self.checkpoint_io.blocked_s
 
     def pipeline_time(self) -> tuple[float, float]:
         """Seconds this rank's pipeline stages have computed, and seconds their schedule has run: the difference is
@@ -489,7 +478,7 @@ class ParallelStrategy(ModelParallelStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        if self._zero_stage == 1:
+        if self._zero_stage == 1 and not self._sharded_by_configure_model:
             self._shard_optimizer_states()
 
     @override
@@ -506,9 +495,7 @@ class ParallelStrategy(ModelParallelStrategy):
                 check_finite(
                     self.gradient_norm(optimizer), loss, self.lightning_module, trainer.global_step, self._non_finite
                 )
-            if self._checkpoints is not None:
-                with self._blocking_checkpoint():
-                    self._checkpoints.wait_for_staging()
+            self.checkpoint_io.wait_for_staging()
             return loss
 
         try:
@@ -601,15 +588,33 @@ class ParallelStrategy(ModelParallelStrategy):
         finally:
             self.model.set_requires_gradient_sync(True)
 
+    @property
+    @override
+    def checkpoint_io(self) -> ShardedCheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = ShardedCheckpointIO(self._async_checkpoint)
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        if not isinstance(io, ShardedCheckpointIO):  # from Trainer(plugins=[...]), as the Trainer is built
+            raise TypeError(
+                f"ParallelStrategy saves sharded checkpoints through lightdist's ShardedCheckpointIO, but the Trainer "
+                f"was given {type(io).__name__}. Leave it out of Trainer(plugins=...): uploads already go on behind "
+                "training (ParallelStrategy(async_checkpoint=...)), to any path or fsspec URL."
+            )
+        self._checkpoint_io = io
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.lightning_module, options=self._saving_options)
+        return get_model_state_dict(self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        state = get_optimizer_state_dict(self.lightning_module, optimizer, options=self._saving_options)
+        state = get_optimizer_state_dict(self.lightning_module, optimizer)
         return reorder_optimizer_state(self.lightning_module, state, to_model_layout=True)
 
     @override
@@ -619,77 +624,28 @@ class ParallelStrategy(ModelParallelStrategy):
         While ``fit`` runs, the save returns once the state is staged in CPU memory and the upload goes on behind
         training (``async_checkpoint``); a save outside ``fit`` returns when the checkpoint is complete.
         """
-        with self._blocking_checkpoint():
-            self._save_checkpoint(checkpoint, filepath, storage_options)
-
-    def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None) -> None:
         in_turn = deal_samples_in_turn(self.lightning_module.trainer.train_dataloader)
         gather_rank_states(checkpoint, self.root_device, data_parallel=self._data_parallel, in_turn=in_turn)
-        if not self._save_distributed_checkpoint:
-            super().save_checkpoint(checkpoint, filepath, storage_options)
-            return
-        if storage_options is not None:
-            raise TypeError(
-                "ParallelStrategy.save_checkpoint(..., storage_options=...) is not supported: set endpoints and "
-                "profiles once with ParallelStrategy(storage_options={'s3': {...}}); credentials come from the "
-                "environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) or the profile."
-            )
+        checkpoint["state_dict"] = buffers_copied(self.lightning_module, checkpoint["state_dict"])
         url = self.broadcast(str(filepath))  # rank 0's path, so every rank writes into one checkpoint
-        state = {"state_dict": buffers_copied(self.lightning_module, checkpoint.pop("state_dict"))}
-        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        trainer = self.lightning_module.trainer
-        self._checkpoint_saver.save(
-            state,
-            url,
-            metadata=checkpoint if self.is_global_zero else None,
-            background=trainer.state.status == TrainerStatus.RUNNING,
-        )
+        running = self.lightning_module.trainer.state.status == TrainerStatus.RUNNING
+        self.checkpoint_io.save_checkpoint(checkpoint, url, storage_options, background=running)
         self._report_failed_saves()
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        """Remove a checkpoint once every save asked for before has completed, so that retention never takes the
-        last complete checkpoint."""
-        if self.is_global_zero:
-            self._checkpoint_saver.remove(str(filepath))
-
-    def point_checkpoint(self, pointer: _PATH, checkpoint: _PATH) -> None:
-        """Make the small file ``pointer`` name ``checkpoint`` once that checkpoint is complete: ``last.ckpt``."""
-        if self.is_global_zero:
-            self._checkpoint_saver.point(str(pointer), str(checkpoint))
+        self.checkpoint_io.remove_checkpoint(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded checkpoint of any ZeRO stage, keyed by the LightningModule's own parameter names, from a
-        path or any fsspec URL, or from a pointer to one."""
-        self._checkpoint_saver.wait()
-        url = resolve(self.broadcast(str(checkpoint_path)))
+        """Load a sharded checkpoint of any ZeRO stage and layout, keyed by the LightningModule's own parameter
+        names, from a path or any fsspec URL, or from a pointer to one."""
+        url = self.broadcast(str(checkpoint_path))
         module = self.lightning_module
-        model_state = {"state_dict": get_model_state_dict(module)}
-        check_same_model(url, self._whole_model_shapes(model_state["state_dict"]), strict=module.strict_loading)
-        load_sharded(model_state, url)
-        set_model_state_dict(module, model_state["state_dict"], options=StateDictOptions(strict=module.strict_loading))
-        # The whole model keeps a tied weight's optimizer state under the embedding's name; the last stage holds the
-        # weight under the head's.
-        aliases = self._tied_names_on_last_stage()
-        own = {name: alias for alias, name in aliases.items()}
-        for index, optimizer in enumerate(self.optimizers):
-            key = f"optimizer_{index}"
-            state = reorder_optimizer_state(module, get_optimizer_state_dict(module, optimizer), to_model_layout=True)
-            own_names = [group["params"] for group in state["param_groups"]]
-            state["state"] = {aliases.get(name, name): value for name, value in state["state"].items()}
-            load_sharded({key: state}, url)
-            state["state"] = {own.get(name, name): value for name, value in state["state"].items()}
-            # The saved parameter groups are one rank's: under a pipeline they name that stage's parameters only.
-            # Their settings (betas, weight decay) hold for every rank; which parameters they hold is this rank's.
-            if len(state["param_groups"]) == len(own_names):
-                for group, names in zip(state["param_groups"], own_names, strict=True):
-                    group["params"] = names
-            state = reorder_optimizer_state(module, state, to_model_layout=False)
-            # Not strict: a ZeRO-1 rank holds state only for the parameters it owns, and dcp.load has already
-            # checked that the checkpoint has every state this rank asked for.
-            set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=StateDictOptions(strict=False))
-        checkpoint = read_metadata(url, weights_only=weights_only)
+        self.checkpoint_io.load_training_state(
+            url, module, self.optimizers, strict=module.strict_loading, tied_names=self._tied_names_on_last_stage()
+        )
+        checkpoint = self.checkpoint_io.load_checkpoint(url, weights_only=weights_only)
         self._rng_state_to_restore = take_rank_state(
             checkpoint, rank=self.global_rank, world_size=self.world_size, data_parallel=self._data_parallel
         )
@@ -738,13 +694,6 @@ class ParallelStrategy(ModelParallelStrategy):
                 zero_stage=stage,
             )
 
-    def _whole_model_shapes(self, state_dict: dict[str, Tensor]) -> dict[str, list[int]]:
-        """The whole shape of every tensor of the model, each rank's included: a pipeline stage holds only its own."""
-        shapes = {name: list(tensor.shape) for name, tensor in state_dict.items()}  # a DTensor's shape is whole
-        every_rank: list[dict[str, list[int]]] = [{} for _ in range(self.world_size)]
-        dist.all_gather_object(every_rank, shapes)
-        return {name: shape for rank_shapes in every_rank for name, shape in rank_shapes.items()}
-
     @override
     def on_train_start(self) -> None:
         """Each rank takes back its random state from the checkpoint it resumes, here rather than on load: creating
@@ -754,35 +703,14 @@ class ParallelStrategy(ModelParallelStrategy):
             set_rng_state(self._rng_state_to_restore, self.root_device)
             self._rng_state_to_restore = None
 
-    @property
-    def _checkpoint_saver(self) -> CheckpointSaver:
-        if self._checkpoints is None:  # built in each rank's process: it holds threads and a process group
-            self._checkpoints = CheckpointSaver(self._async_checkpoint)
-        return self._checkpoints
-
     def _report_failed_saves(self) -> None:
         """The count of failed saves reaches the loggers, beside the error each rank logged."""
-        failed = len(self._checkpoint_saver.failures)
+        failed = len(self.checkpoint_io.failures)
         if failed > self._failed_saves_reported:
             self._failed_saves_reported = failed
             trainer = self.lightning_module.trainer
             for logger in trainer.loggers:
                 logger.log_metrics({"checkpoint/failed_saves": failed}, step=trainer.global_step)
-
-    @contextmanager
-    def _blocking_checkpoint(self) -> Generator[None, None, None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._checkpoint_blocked_s += time.perf_counter() - start
-
-    @property
-    def _saving_options(self) -> StateDictOptions:
-        # Keyed by the LightningModule's own names, sharded per rank unless a full checkpoint was asked for (gathered
-        # on rank 0's CPU). Sharded tensors stay where they are: staging copies them to CPU memory behind training.
-        full = not self._save_distributed_checkpoint
-        return StateDictOptions(full_state_dict=full, cpu_offload=full)
 
     def _share_cpu_threads(self) -> None:
         """Give each local rank its share of the cores, unless the user chose OMP_NUM_THREADS.
@@ -852,6 +780,8 @@ class ParallelStrategy(ModelParallelStrategy):
                 f"{type(module).__name__} has no parameters to train. Create its layers in `__init__` or "
                 "`configure_model` before calling the Trainer."
             )
+        if _split_by_configure_model(module):
+            return self._keep_configure_model_split(module)
         try:
             stack = find_decoder_stack(module)
         except ValueError:
@@ -893,6 +823,30 @@ class ParallelStrategy(ModelParallelStrategy):
             for stage in stages:
                 self._shard_stage(stage, stage.blocks)
             self._pipeline_step = self._pipeline_step_over(module, stages, stack.enclosing)
+        self._parallel_root = root
+        return root
+
+    def _keep_configure_model_split(self, module: pl.LightningModule) -> _ParallelRoot:
+        """Keep the split a ``configure_model`` written for Lightning's ``ModelParallelStrategy`` made, on this
+        strategy's mesh; shard over the data-parallel ranks only where it did not."""
+        if self.layout.pp > 1:
+            raise ValueError(
+                f"{type(module).__name__}.configure_model split the model itself (DTensor parameters or fully_shard), "
+                f"but pipeline_parallel_size={self.layout.pp} cuts stages from the model as written. Let lightdist "
+                "split it (drop the split from configure_model; tensor_parallel_size does it), or set "
+                "pipeline_parallel_size=1."
+            )
+        root = _ParallelRoot(module)
+        self._sharded_by_configure_model = any(isinstance(m, FSDPModule) for m in module.modules())
+        if self._sharded_by_configure_model:
+            kept = "its tensor-parallel split and its data-parallel sharding"
+        else:
+            self._shard(root, [], zero_stage=self._zero_stage)
+            kept = f"its tensor-parallel split, and shards it ZeRO-{self._zero_stage} over the data-parallel ranks"
+        rank_zero_info(
+            f"lightdist: {type(module).__name__}.configure_model split the model itself: lightdist keeps {kept}, "
+            "with no tensor parallelism or activation checkpointing of its own."
+        )
         self._parallel_root = root
         return root
 
@@ -1078,6 +1032,12 @@ _SCHEDULES = {
 
 def _identity(x: Tensor) -> Tensor:
     return x
+
+
+def _split_by_configure_model(module: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in module.parameters()) or any(
+        isinstance(m, FSDPModule) for m in module.modules()
+    )
 
 
 def _has_submodule(module: nn.Module, name: str) -> bool:

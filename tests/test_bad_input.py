@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins import AsyncCheckpointIO
 from torch import nn
 from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
@@ -217,6 +218,12 @@ def test_pipeline_needs_blocks_that_take_the_hidden_states_first() -> None:
     ) as raised_error:
         second_stage(received, lightdist_model_call=ModelCall("", (torch.zeros(2, 4, dtype=torch.long),), {}))
     assert "(pipeline_tracer=True)" in str(raised_error.value)
+
+
+def test_another_checkpoint_io_is_refused_as_the_trainer_is_built() -> None:
+    """Lightning's own async or torch.save plugins would write one rank's shards as if they were the model."""
+    with pytest.raises(TypeError, match=r"was given AsyncCheckpointIO. Leave it out of Trainer\(plugins=...\)"):
+        Trainer(accelerator="cpu", devices=2, strategy=ParallelStrategy(), plugins=[AsyncCheckpointIO()])
 
 
 def test_unknown_strategy_name_is_named_in_the_error() -> None:

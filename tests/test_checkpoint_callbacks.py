@@ -96,6 +96,10 @@ def test_lightnings_callback_resumes_from_last_on_local_disk_s3_and_gcs(
         newest = "epoch=0-step=6.ckpt" if name != "gcs" else "step=6.ckpt"
         url = runs[name] if "://" in runs[name] else f"file://{runs[name]}"
         assert listing(storage, url) == {newest: checkpoint_files(2), "last.ckpt": [newest]}, name
+        # Lightning's CheckpointIO interface reads what the run saved, without a Trainer or a process group.
+        assert lightdist.plugins.ShardedCheckpointIO().load_checkpoint(f"{runs[name]}/last.ckpt")["global_step"] == 6, (
+            name
+        )
 
 
 class RecordLosses(Callback):
