@@ -45,6 +45,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_map
 
 from lightdist.dataflow import trace_block_plan
+from lightdist.pipeline.tied import tied_names
 from lightdist.structure import DecoderStack, in_features, is_conv1d, is_projection, out_features, within
 
 __all__ = [
@@ -509,7 +510,8 @@ def apply_tensor_parallel(
     tp = tp_mesh.size()
     plan = {name: style for name, style in plan.items() if _holds_parameters(model, name)}
     check_divisible(model, stack, plan, tp)
-    tied = _tied_weights(model)
+    every_name = model.named_parameters(remove_duplicate=False)
+    tied = [(owner, user) for owner, user in tied_names(model.named_parameters(), every_name) if owner != user]
     units = {name: (layouts or {}).get(in_block, "fast") for name, in_block in block_units(stack, plan).items()}
     parallel_plan = parallel_styles(
         model, plan, units, tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
@@ -519,7 +521,8 @@ def apply_tensor_parallel(
     parallelize_module(model, tp_mesh, parallel_plan)
     for owner, user in tied:
         # Parallelising each module gave the shared weight two DTensors; both are split by vocabulary, so one serves.
-        user.weight = owner.weight
+        holder, _, name = user.rpartition(".")
+        setattr(model.get_submodule(holder), name, model.get_parameter(owner))
     prepare_units(model, plan, units, tp_mesh)
     for name, module in model.named_modules():
         if stack.contains(name) and not _inside(name, list(units)):
@@ -829,17 +832,3 @@ def check_divisible(model: nn.Module, stack: DecoderStack, plan: dict[str, Tenso
                 "Choose a tensor_parallel_size that divides it"
                 + (", or pad the vocabulary to a multiple of it." if style in ("vocab", "head") else ".")
             )
-
-
-def _tied_weights(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
-    """(first owner, later user) pairs of modules sharing one ``weight`` Parameter."""
-    owners: dict[int, nn.Module] = {}
-    pairs = []
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, nn.Parameter):
-            if id(weight) in owners:
-                pairs.append((owners[id(weight)], module))
-            else:
-                owners[id(weight)] = module
-    return pairs

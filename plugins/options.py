@@ -3,15 +3,14 @@ process or tensor exists, and the message says what to choose instead."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from lightdist.async_checkpoint import AsyncMode
+from lightdist.pipeline.schedules import check_schedule
 from lightdist.plugins.non_finite import NonFinitePolicy
 from lightdist.storage import reject_credentials
 
-__all__ = ["PipelineSchedule", "check_microbatch_rounds", "validate_options"]
-
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"]
+__all__ = ["validate_options"]
 
 
 def validate_options(
@@ -44,22 +43,7 @@ def validate_options(
             f"zero_stage={zero_stage!r} is not a ZeRO stage. Choose 0 (replicate), 1 (shard optimizer state), "
             "2 (+ gradients) or 3 (+ parameters)."
         )
-    if pipeline_schedule not in PipelineSchedule.__args__:
-        raise ValueError(
-            f"pipeline_schedule={pipeline_schedule!r} is not one of {', '.join(PipelineSchedule.__args__)}."
-        )
-    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
-        raise ValueError(f"microbatches={microbatches!r} must be a positive integer or None.")
-    if virtual_stages is not None:
-        if not isinstance(virtual_stages, int) or virtual_stages < 1:
-            raise ValueError(f"virtual_stages={virtual_stages!r} must be a positive integer or None.")
-        if pipeline_schedule in ("gpipe", "1f1b") and virtual_stages > 1:
-            raise ValueError(
-                f"pipeline_schedule={pipeline_schedule!r} runs one stage per rank, but virtual_stages={virtual_stages}."
-                " Use pipeline_schedule='interleaved_1f1b' or 'zero_bubble' for several stages per rank."
-            )
-    if isinstance(pipeline_parallel_size, int):
-        check_microbatch_rounds(pipeline_schedule, microbatches, pipeline_parallel_size)
+    check_schedule(pipeline_schedule, virtual_stages, microbatches, pipeline_parallel_size)
     if activation_checkpointing not in (None, "full", "selective"):
         raise ValueError(
             f"activation_checkpointing={activation_checkpointing!r} is not one of None, 'full', 'selective'."
@@ -93,24 +77,4 @@ def validate_options(
             "pipeline_tracer=True traces each block into a graph with its head counts fixed, which tensor "
             f"parallelism cannot rewrite, but tensor_parallel_size={tensor_parallel_size!r}. Use "
             "tensor_parallel_size=1 with the tracer, or cut stages by structure (pipeline_tracer=False)."
-        )
-    if pipeline_schedule == "zbv":
-        raise NotImplementedError(
-            "pipeline_schedule='zbv' is not offered: torch's V-shaped schedule cannot run forward-only (its eval "
-            "passes a backward between the two stages of a rank), so validation and predict would fail. Use "
-            "pipeline_schedule='zero_bubble', the interleaved zero-bubble schedule."
-        )
-
-
-def check_microbatch_rounds(pipeline_schedule: str, microbatches: int | None, pipeline_parallel_size: int) -> None:
-    """The interleaved schedules run microbatches in rounds of ``pipeline_parallel_size``; checked again once an
-    ``"auto"`` size is known."""
-    if pipeline_schedule not in ("interleaved_1f1b", "zero_bubble") or microbatches is None:
-        return
-    rounds = max(1, microbatches // pipeline_parallel_size)
-    if pipeline_parallel_size > 1 and microbatches % rounds:
-        raise ValueError(
-            f"pipeline_schedule={pipeline_schedule!r} runs microbatches in rounds of pipeline_parallel_size="
-            f"{pipeline_parallel_size}, so microbatches={microbatches} must be a multiple of {rounds} rounds. "
-            f"Choose a multiple of {pipeline_parallel_size}."
         )

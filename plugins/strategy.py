@@ -33,10 +33,6 @@ from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeo
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
 )
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
@@ -48,14 +44,22 @@ from lightdist.heartbeat import Heartbeat, describe_ranks, failed_collective
 from lightdist.layout import MESH_DIM_NAMES, ParallelLayout
 from lightdist.layout_probe import probe_layouts
 from lightdist.loss_parallel import vocab_parallel_cross_entropy
-from lightdist.pipeline import (
-    StageModel,
-    grad_norm_across_stages,
-    keep_stages,
-    stage_sizes,
+from lightdist.pipeline.schedules import (
+    SCHEDULES,
+    PipelineSchedule,
+    check_microbatch_rounds,
     stages_of_rank,
-    tied_across_stages,
     virtual_stages_of,
+)
+from lightdist.pipeline.structural import StageModel, grad_norm_across_stages, keep_stages, stage_sizes
+from lightdist.pipeline.tied import tied_across_stages, tied_gradients, tied_names
+from lightdist.pipeline.traced import (
+    TracedInput,
+    adopt_parameters,
+    drop_other_stages,
+    share_model_buffers,
+    trace_stages,
+    traced_stage_sizes,
 )
 from lightdist.planner import GiB
 from lightdist.plugins.auto_layout import planned_layout
@@ -67,8 +71,8 @@ from lightdist.plugins.metric_sync import (
     refuse_metrics_on_meta,
 )
 from lightdist.plugins.non_finite import NonFiniteError, NonFinitePolicy, NonFiniteStep, check_finite
-from lightdist.plugins.options import PipelineSchedule, check_microbatch_rounds, validate_options
-from lightdist.plugins.pipeline import PipelineStep, TiedGradients, model_call_of
+from lightdist.plugins.options import validate_options
+from lightdist.plugins.pipeline_step import PipelineStep, model_call_of
 from lightdist.plugins.rank_state import deal_samples_in_turn, gather_rank_states, take_rank_state
 from lightdist.plugins.resume import resuming_launcher
 from lightdist.restarts import nodes_started_by_torchrun, round_store
@@ -81,15 +85,6 @@ from lightdist.tensor_parallel import (
     apply_tensor_parallel,
     discover_plan,
     reorder_optimizer_state,
-)
-from lightdist.traced_pipeline import (
-    TracedInput,
-    adopt_parameters,
-    drop_other_stages,
-    share_model_buffers,
-    tied_across_traced_stages,
-    trace_stages,
-    traced_stage_sizes,
 )
 
 if TYPE_CHECKING:
@@ -860,7 +855,7 @@ class ParallelStrategy(ModelParallelStrategy):
         example = self._example_model_call(module)
         stages = trace_stages(module, example, block_names, sizes, self.root_device)
         rank_zero_info(f"lightdist: pipeline stages of {type(module).__name__} cut by torch's tracer: {sizes} blocks.")
-        self._tied_names = tied_across_traced_stages(stages[0], stages[-1])
+        self._tied_names = tied_names(stages[0].named_parameters(), stages[-1].named_parameters())
         stages = [stages[index] for index in self._stages_of_this_rank()]
         self._traced_stages = stages
         drop_other_stages(module, stages)
@@ -926,11 +921,11 @@ class ParallelStrategy(ModelParallelStrategy):
                 PipelineStage(stage, index, count, self.root_device, group=pp_mesh.get_group())
                 for stage, index in zip(stages, self._stages_of_this_rank(), strict=True)
             ],
-            _SCHEDULES[self._pipeline_schedule],
+            SCHEDULES[self._pipeline_schedule].runner,
             self._microbatches or self.layout.pp,
             callable_as_model=callable_as_model,
             sequence_shards=self.layout.tp if self._sequence_parallel else 1,
-            tied=self._tied_across_stages(module),
+            tied=tied_gradients(module, self._tied_names, self.device_mesh, self._timeout),
             traced_input=traced_input,
         )
 
@@ -996,22 +991,6 @@ class ParallelStrategy(ModelParallelStrategy):
             return {}
         return {head: embedding for embedding, head in self._tied_names}
 
-    def _tied_across_stages(self, module: pl.LightningModule) -> TiedGradients | None:
-        """The weights this stage shares with the other end of the pipeline, and the group they are summed over.
-
-        Every rank takes part in creating the groups (one per (dp, tp) position, joining the first and last stage).
-        """
-        if not self._tied_names:
-            return None
-        mesh = self.device_mesh.mesh
-        pairs = [[int(mesh[0, d, t]), int(mesh[-1, d, t])] for d in range(mesh.shape[1]) for t in range(mesh.shape[2])]
-        group, _ = dist.new_subgroups_by_enumeration(pairs, timeout=self._timeout)
-        index = self.device_mesh["pp"].get_local_rank()
-        if index not in (0, self.layout.pp - 1):
-            return None
-        names = [embedding if index == 0 else head for embedding, head in self._tied_names]
-        return TiedGradients(module, names, group)
-
     def _mixed_precision_compute_dtype(self) -> torch.dtype | None:
         if isinstance(self.precision_plugin, MixedPrecision):
             return _MIXED_PRECISION_COMPUTE_DTYPES[self.precision_plugin.precision]
@@ -1020,14 +999,6 @@ class ParallelStrategy(ModelParallelStrategy):
     def _shard_optimizer_states(self) -> None:
         # LR schedulers keep the user's optimizers: a ShardedOptimizer shares their parameter groups.
         self.optimizers = [ShardedOptimizer(optimizer, self.device_mesh["dp"]) for optimizer in self.optimizers]
-
-
-_SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "zero_bubble": ScheduleInterleavedZeroBubble,
-}
 
 
 def _identity(x: Tensor) -> Tensor:

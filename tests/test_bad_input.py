@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 
 from lightdist.models import Llama, TokenDataModule
-from lightdist.pipeline import ModelCall, StageModel, keep_stages
+from lightdist.pipeline.structural import ModelCall, StageModel, keep_stages
 from lightdist.plugins import ParallelStrategy
 from lightdist.plugins.metric_sync import refuse_metrics_on_meta
 from lightdist.structure import find_decoder_stack

@@ -12,9 +12,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.utils.data import DataLoader
 
 from lightdist.models import Llama, TokenDataModule
-from lightdist.pipeline import ModelCall, balanced_split
+from lightdist.pipeline.structural import ModelCall, balanced_split
 from lightdist.plugins import ParallelStrategy
-from lightdist.plugins.pipeline import model_call_of
+from lightdist.plugins.pipeline_step import model_call_of
 
 from multirank import run_each, run_ranks
 from training import MODELS

@@ -9,8 +9,8 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightdist.activation_checkpointing import apply_activation_checkpointing
+from lightdist.pipeline.traced import TracedInput, drop_other_stages, trace_stages, traced_stage_sizes
 from lightdist.structure import find_repeated_blocks
-from lightdist.traced_pipeline import TracedInput, drop_other_stages, trace_stages, traced_stage_sizes
 
 from training import SequentialBlocksLM, TwoStreamLM
 

@@ -34,10 +34,8 @@ __all__ = [
     "balanced_split",
     "grad_norm_across_stages",
     "keep_stages",
+    "stage_costs",
     "stage_sizes",
-    "stages_of_rank",
-    "tied_across_stages",
-    "virtual_stages_of",
 ]
 
 
@@ -82,19 +80,6 @@ def stage_sizes(model: nn.Module, stack: DecoderStack, stages: int) -> list[int]
     """Blocks per stage for ``model``, balanced by parameters: embeddings weigh on the first, the rest on the last."""
     blocks, embeddings, rest = stage_costs(model, stack)
     return balanced_split(blocks, stages, first_extra=embeddings, last_extra=rest)
-
-
-def tied_across_stages(module: nn.Module, stack: DecoderStack) -> list[tuple[str, str]]:
-    """(embedding, head) names of a weight they share: the first stage keeps one, the last the other."""
-    outside = [(name, m) for name, m in module.named_modules() if name and not stack.contains(name)]
-    embeddings = {id(m.weight): name for name, m in outside if isinstance(m, nn.Embedding)}
-    return [
-        (f"{embeddings[id(m.weight)]}.weight", f"{name}.weight")
-        for name, m in outside
-        if not isinstance(m, nn.Embedding)
-        and isinstance(getattr(m, "weight", None), nn.Parameter)
-        and id(m.weight) in embeddings
-    ]
 
 
 class _StageBlocks(nn.ModuleList):
@@ -185,16 +170,6 @@ def _ends(model: nn.Module, stack: DecoderStack) -> list[tuple[str, nn.Module, b
 
 def _stand_in(module: nn.Module) -> nn.Module:
     return _EmbeddingPlaceholder(module.embedding_dim) if isinstance(module, nn.Embedding) else _PassThrough()
-
-
-def virtual_stages_of(schedule: str, virtual_stages: int | None = None) -> int:
-    """Stages per rank under ``schedule``: one for GPipe and 1F1B, else ``virtual_stages`` (default 2)."""
-    return 1 if schedule in ("gpipe", "1f1b") else virtual_stages or 2
-
-
-def stages_of_rank(rank: int, pp: int, virtual_stages: int) -> list[int]:
-    """The pipeline stages ``rank`` holds: every ``pp``-th one, as torch's looped schedules expect."""
-    return [rank + pp * k for k in range(virtual_stages)]
 
 
 def keep_stages(model: nn.Module, stack: DecoderStack, blocks: set[int], *, first: bool, last: bool) -> DecoderStack:

@@ -29,33 +29,16 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
-from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 
-from lightdist.pipeline import ModelCall
+from lightdist.pipeline.structural import ModelCall
+from lightdist.pipeline.tied import TiedGradients
 from lightdist.plugins.metric_sync import load_metric_states, metric_states, metrics_of
 
-__all__ = ["PipelineStep", "StageClock", "TiedGradients", "model_call_of"]
-
-
-class TiedGradients:
-    """Weights tied across the pipeline's ends (embedding and LM head): each end holds a copy, and the copies stay
-    equal because their gradients are summed over ``group`` before every optimizer step."""
-
-    def __init__(self, module: nn.Module, names: list[str], group: dist.ProcessGroup) -> None:
-        self.module, self.names, self.group = module, names, group
-
-    def parameters(self) -> list[nn.Parameter]:
-        # Looked up at every step: FSDP swaps the parameters it manages in and out of their modules.
-        return [self.module.get_parameter(name) for name in self.names]
-
-    def sum(self) -> None:
-        for parameter in self.parameters():
-            grad = parameter.grad
-            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
+__all__ = ["PipelineStep", "StageClock", "model_call_of"]
 
 
 class StageClock:

@@ -1,8 +1,8 @@
 """Pipeline stages for a model whose blocks are not in one ``ModuleList`` (or with ``pipeline_tracer=True``): cut by
 ``torch.distributed.pipelining``'s tracer.
 
-``lightdist.pipeline`` runs the model's own forward on every stage, which needs the blocks in a list the forward
-loops over. A model that calls its blocks one by one (``self.first(x)``, ``self.second(x)``) or through an
+``lightdist.pipeline.structural`` runs the model's own forward on every stage, which needs the blocks in a list the
+forward loops over. A model that calls its blocks one by one (``self.first(x)``, ``self.second(x)``) or through an
 ``nn.Sequential`` is traced instead: ``torch.export`` records its forward on one example microbatch, and ``pipeline()``
 cuts the graph before the first block of each stage. A stage module then runs the recorded operations, and hands the
 next stage every value it needs, not only the hidden states.
@@ -24,14 +24,13 @@ from torch import Tensor, fx, nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 from torch.distributed.pipelining._IR import _modify_graph_op_device
 
-from lightdist.pipeline import balanced_split
+from lightdist.pipeline.structural import balanced_split
 
 __all__ = [
     "TracedInput",
     "adopt_parameters",
     "drop_other_stages",
     "share_model_buffers",
-    "tied_across_traced_stages",
     "trace_stages",
     "traced_stage_sizes",
 ]
@@ -148,12 +147,6 @@ def share_model_buffers(model: nn.Module, stages: list[nn.Module]) -> None:
         for name, _ in list(stage.named_buffers()):
             owner, _, leaf = name.rpartition(".")
             stage.get_submodule(owner)._buffers[leaf] = model.get_buffer(name)
-
-
-def tied_across_traced_stages(first: nn.Module, last: nn.Module) -> list[tuple[str, str]]:
-    """(first stage's name, last stage's name) of each parameter both ends use: an embedding tied to the LM head."""
-    names_in_last = {id(p): name for name, p in last.named_parameters()}
-    return [(name, names_in_last[id(p)]) for name, p in first.named_parameters() if id(p) in names_in_last]
 
 
 class TracedInput:
