@@ -1,12 +1,13 @@
-"""``ParallelStrategy``'s options, checked when the strategy is built: an impossible value is refused before any
-process or tensor exists, and the message says what to choose instead."""
+"""``ParallelStrategy``'s options beside those of ``ParallelConfig`` (which checks its own), checked when the strategy
+is built: an impossible value is refused before any process or tensor exists, and the message says what to choose
+instead."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from lightdist.async_checkpoint import AsyncMode
-from lightdist.pipeline.schedules import check_schedule
+from lightdist.pipeline.schedules import check_microbatch_rounds
 from lightdist.plugins.non_finite import NonFinitePolicy
 from lightdist.storage import reject_credentials
 
@@ -18,13 +19,9 @@ def validate_options(
     data_parallel_size: int | str,
     tensor_parallel_size: int | str,
     pipeline_parallel_size: int | str,
-    zero_stage: int,
     pipeline_schedule: str,
-    virtual_stages: int | None,
     microbatches: int | None,
     pipeline_tracer: bool,
-    activation_checkpointing: str | None,
-    cpu_offload: bool,
     async_checkpoint: str | None,
     storage_options: Any,
     non_finite: str | None,
@@ -38,16 +35,8 @@ def validate_options(
     ):
         if size not in words and (not isinstance(size, int) or size < 1):
             raise ValueError(f"{name}={size!r} must be a positive integer or {' or '.join(map(repr, words))}.")
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(
-            f"zero_stage={zero_stage!r} is not a ZeRO stage. Choose 0 (replicate), 1 (shard optimizer state), "
-            "2 (+ gradients) or 3 (+ parameters)."
-        )
-    check_schedule(pipeline_schedule, virtual_stages, microbatches, pipeline_parallel_size)
-    if activation_checkpointing not in (None, "full", "selective"):
-        raise ValueError(
-            f"activation_checkpointing={activation_checkpointing!r} is not one of None, 'full', 'selective'."
-        )
+    if isinstance(pipeline_parallel_size, int):
+        check_microbatch_rounds(pipeline_schedule, microbatches, pipeline_parallel_size)
     if async_checkpoint not in (None, *AsyncMode.__args__):
         raise ValueError(
             f"async_checkpoint={async_checkpoint!r} is not one of 'process' (upload from a daemon process per rank), "
@@ -66,11 +55,6 @@ def validate_options(
         raise ValueError(
             f"non_finite={non_finite!r} is not one of 'skip' (leave the weights as they were), 'rollback' (load the "
             "newest checkpoint), 'stop' (raise, naming the step) or None (check nothing)."
-        )
-    if cpu_offload and zero_stage < 2:
-        raise ValueError(
-            f"cpu_offload=True needs sharded parameters and gradients, but zero_stage={zero_stage}. "
-            "Use zero_stage=2 or 3 with cpu_offload."
         )
     if pipeline_tracer and tensor_parallel_size != 1:
         raise ValueError(

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
-from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -30,36 +30,27 @@ from torch import Tensor, nn
 from torch.distributed import ReduceOp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
 )
-from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightdist.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
+from lightdist.activation_checkpointing import ActivationCheckpointing
 from lightdist.async_checkpoint import AsyncMode, buffers_copied
 from lightdist.heartbeat import Heartbeat, describe_ranks, failed_collective
 from lightdist.layout import MESH_DIM_NAMES, ParallelLayout
-from lightdist.layout_probe import probe_layouts
 from lightdist.loss_parallel import vocab_parallel_cross_entropy
+from lightdist.parallelize import ParallelConfig, Parallelized, parallelize
 from lightdist.pipeline.schedules import (
     SCHEDULES,
     PipelineSchedule,
     check_microbatch_rounds,
-    stages_of_rank,
-    virtual_stages_of,
 )
-from lightdist.pipeline.structural import StageModel, grad_norm_across_stages, keep_stages, stage_sizes
-from lightdist.pipeline.tied import tied_across_stages, tied_gradients, tied_names
+from lightdist.pipeline.structural import grad_norm_across_stages
+from lightdist.pipeline.tied import tied_gradients
 from lightdist.pipeline.traced import (
-    TracedInput,
-    adopt_parameters,
-    drop_other_stages,
     share_model_buffers,
-    trace_stages,
-    traced_stage_sizes,
 )
 from lightdist.planner import GiB
 from lightdist.plugins.auto_layout import planned_layout
@@ -77,13 +68,10 @@ from lightdist.plugins.rank_state import deal_samples_in_turn, gather_rank_state
 from lightdist.plugins.resume import resuming_launcher
 from lightdist.restarts import nodes_started_by_torchrun, round_store
 from lightdist.rng import set_rng_state
-from lightdist.sharding import ShardedOptimizer, ZeroStage, apply_data_parallel
+from lightdist.sharding import ShardedOptimizer, ZeroStage
 from lightdist.storage import configure, resolve
-from lightdist.structure import DecoderStack, find_decoder_stack, find_repeated_blocks
 from lightdist.tensor_parallel import (
     TensorParallelStyle,
-    apply_tensor_parallel,
-    discover_plan,
     reorder_optimizer_state,
 )
 
@@ -198,17 +186,26 @@ class ParallelStrategy(ModelParallelStrategy):
         collective_timeout: float = 1800.0,
         process_group_backend: str | None = None,
     ) -> None:
-        validate_options(
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
+        config = ParallelConfig(  # refuses what cannot run, as validate_options does the rest
             zero_stage=zero_stage,
             pipeline_schedule=pipeline_schedule,
             virtual_stages=virtual_stages,
             microbatches=microbatches,
+            pipeline_split=tuple(pipeline_split) if pipeline_split else None,
             pipeline_tracer=pipeline_tracer,
             activation_checkpointing=activation_checkpointing,
+            sequence_parallel=sequence_parallel,
+            loss_parallel=loss_parallel,
             cpu_offload=cpu_offload,
+            tp_plan=tp_plan,
+        )
+        validate_options(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            pipeline_schedule=pipeline_schedule,
+            microbatches=microbatches,
+            pipeline_tracer=pipeline_tracer,
             async_checkpoint=async_checkpoint,
             storage_options=storage_options,
             non_finite=non_finite,
@@ -221,20 +218,8 @@ class ParallelStrategy(ModelParallelStrategy):
             timeout=timedelta(seconds=collective_timeout),
         )
         self._pipeline_parallel_size = pipeline_parallel_size
-        self._zero_stage = zero_stage
-        self._pipeline_schedule = pipeline_schedule
-        self._virtual_stages = virtual_stages_of(pipeline_schedule, virtual_stages)
-        self._microbatches = microbatches
-        self._pipeline_split = pipeline_split
-        self._pipeline_tracer = pipeline_tracer
+        self._config = config
         self._pipeline_step: PipelineStep | None = None
-        self._traced_stages: list[nn.Module] = []  # this rank's stages, when the tracer cut them
-        self._tied_names: list[tuple[str, str]] = []
-        self._activation_checkpointing = activation_checkpointing
-        self._sequence_parallel = sequence_parallel
-        self._loss_parallel = loss_parallel
-        self._cpu_offload = cpu_offload
-        self._tp_plan = tp_plan
         self._non_finite = non_finite
         self._non_finite_steps = 0
         self._heartbeat: Heartbeat | None = None
@@ -246,7 +231,7 @@ class ParallelStrategy(ModelParallelStrategy):
         self._rng_state_to_restore: dict[str, Any] | None = None
         self._layout: ParallelLayout | None = None
         self._parallel_root: _ParallelRoot | None = None
-        self._sharded_by_configure_model = False
+        self._parallelized: Parallelized | None = None
 
     @property
     def layout(self) -> ParallelLayout:
@@ -259,7 +244,7 @@ class ParallelStrategy(ModelParallelStrategy):
 
     @property
     def zero_stage(self) -> int:
-        return self._zero_stage
+        return self._config.zero_stage
 
     @property
     @override
@@ -306,7 +291,7 @@ class ParallelStrategy(ModelParallelStrategy):
             self.num_nodes = nodes_started_by_torchrun(self.num_nodes)
         if not self._planner_picks_sizes:
             self._layout = self._resolve_layout(*self._world_size_to_come)
-        if self._cpu_offload and self.root_device.type == "cpu":
+        if self._config.cpu_offload and self.root_device.type == "cpu":
             raise ValueError(
                 "cpu_offload=True moves sharded state from accelerator memory to CPU memory, but the accelerator is "
                 "the CPU. Drop cpu_offload, or train on GPUs."
@@ -391,9 +376,10 @@ class ParallelStrategy(ModelParallelStrategy):
         with metrics_set_aside(self.lightning_module):
             _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
-        if not self._cpu_offload:
+        if not self._config.cpu_offload:
             self.model_to_device()
-        share_model_buffers(self.lightning_module, self._traced_stages)
+        if self._parallelized.traced_input is not None:
+            share_model_buffers(self.lightning_module, self._parallelized.stages)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -404,7 +390,7 @@ class ParallelStrategy(ModelParallelStrategy):
         if self._pipeline_step is not None:
             # Lightning's clipping sees this stage's gradients only; the norm must cover every stage.
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_norm_across_stages
-        if trainer.state.fn == TrainerFn.FITTING and not self._cpu_offload:
+        if trainer.state.fn == TrainerFn.FITTING and not self._config.cpu_offload:
             _optimizers_to_device(self.optimizers, self.root_device)
         for logger in trainer.loggers:
             logger.log_hyperparams({"lightdist": {**self.run_config, "parameters": parameters}})
@@ -413,20 +399,20 @@ class ParallelStrategy(ModelParallelStrategy):
     def run_config(self) -> dict[str, Any]:
         """The layout this run trains under, as its loggers record it (W&B's run config, hparams.yaml): runs
         compared side by side must say how each was split."""
-        pp, tp = self.layout.pp, self.layout.tp
+        pp, tp, config = self.layout.pp, self.layout.tp, self._config
         return {
             "world_size": self.world_size,
             "pipeline_parallel_size": pp,
             "data_parallel_size": self.layout.dp,
             "tensor_parallel_size": tp,
-            "zero_stage": self._zero_stage,
-            "pipeline_schedule": self._pipeline_schedule if pp > 1 else None,
-            "virtual_stages": self._virtual_stages if pp > 1 else None,
-            "microbatches": (self._microbatches or pp) if pp > 1 else None,
-            "sequence_parallel": self._sequence_parallel and tp > 1,
-            "loss_parallel": self._loss_parallel and tp > 1,
-            "activation_checkpointing": self._activation_checkpointing,
-            "cpu_offload": self._cpu_offload,
+            "zero_stage": config.zero_stage_run(pp),
+            "pipeline_schedule": config.pipeline_schedule if pp > 1 else None,
+            "virtual_stages": config.stages_per_pipeline_rank if pp > 1 else None,
+            "microbatches": (config.microbatches or pp) if pp > 1 else None,
+            "sequence_parallel": config.sequence_parallel and tp > 1,
+            "loss_parallel": config.loss_parallel and tp > 1,
+            "activation_checkpointing": config.activation_checkpointing,
+            "cpu_offload": self._config.cpu_offload,
             "non_finite": self._non_finite,
             "precision": self.precision_plugin.precision,
         }
@@ -473,7 +459,7 @@ class ParallelStrategy(ModelParallelStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        if self._zero_stage == 1 and not self._sharded_by_configure_model:
+        if self._config.zero_stage == 1 and not self._parallelized.sharded_by_user:
             self._shard_optimizer_states()
 
     @override
@@ -565,7 +551,7 @@ class ParallelStrategy(ModelParallelStrategy):
         return super().predict_step(*args, **kwargs)
 
     def _loss_context(self) -> AbstractContextManager:
-        return vocab_parallel_cross_entropy() if self._loss_parallel and self.layout.tp > 1 else nullcontext()
+        return vocab_parallel_cross_entropy() if self._config.loss_parallel and self.layout.tp > 1 else nullcontext()
 
     @contextmanager
     @override
@@ -751,14 +737,14 @@ class ParallelStrategy(ModelParallelStrategy):
             pp=given(self._pipeline_parallel_size),
             dp=given(self._data_parallel_size),
             tp=given(self._node_tensor_parallel_size),
-            zero_stage=self._zero_stage,
-            activation_checkpointing=self._activation_checkpointing,
-            microbatches=self._microbatches,
-            stages_per_rank=self._virtual_stages,
-            tp_plan=self._tp_plan,
+            zero_stage=self._config.zero_stage,
+            activation_checkpointing=self._config.activation_checkpointing,
+            microbatches=self._config.microbatches,
+            stages_per_rank=self._config.stages_per_pipeline_rank,
+            tp_plan=self._config.tp_plan,
         )
         layout = self.broadcast(layout)
-        check_microbatch_rounds(self._pipeline_schedule, self._microbatches, layout.pp)
+        check_microbatch_rounds(self._config.pipeline_schedule, self._config.microbatches, layout.pp)
         rank_zero_info(
             f"lightdist: the planner chose {layout} for the 'auto' sizes: about {choice.total / GiB:.2f} GiB per "
             f"device, the most tokens per second of the layouts that fit (`lightdist plan --gpus {self.world_size}`"
@@ -767,7 +753,8 @@ class ParallelStrategy(ModelParallelStrategy):
         return layout
 
     def _parallelize(self, module: pl.LightningModule) -> _ParallelRoot:
-        """Tensor parallelism, activation checkpointing, then data parallelism: torchtitan's order. Once per module."""
+        """Split the LightningModule over the mesh (``lightdist.parallelize``), once per module; under a pipeline, run
+        its steps through the schedule."""
         if self._parallel_root is not None and self._parallel_root.module is module:
             return self._parallel_root
         if not any(True for _ in module.parameters()):
@@ -775,99 +762,20 @@ class ParallelStrategy(ModelParallelStrategy):
                 f"{type(module).__name__} has no parameters to train. Create its layers in `__init__` or "
                 "`configure_model` before calling the Trainer."
             )
-        if _split_by_configure_model(module):
-            return self._keep_configure_model_split(module)
-        try:
-            stack = find_decoder_stack(module)
-        except ValueError:
-            # Without a block list: data parallelism shards per repeated block, the pipeline is traced.
-            block_names = find_repeated_blocks(module)
-            if not block_names or self.layout.tp > 1:
-                raise
-            if self.layout.pp > 1:
-                return self._parallelize_traced(module, block_names)
-            self._parallel_root = _ParallelRoot(module)
-            blocks = [module.get_submodule(name) for name in block_names]
-            self._checkpoint_activations(blocks)
-            self._shard(self._parallel_root, blocks, zero_stage=self._zero_stage)
-            return self._parallel_root
-        if self._pipeline_tracer and self.layout.pp > 1:
-            return self._parallelize_traced(module, [f"{stack.name}.{index}" for index in range(len(stack))])
-        plan, layouts = {}, {}
-        if self.layout.tp > 1:  # on the whole model, where the embedding and the head split by vocabulary are seen
-            plan = discover_plan(module, stack, tp_plan=self._tp_plan)
-            layouts = probe_layouts(module, stack, plan, self.device_mesh["tp"], report=rank_zero_info)
-        stages: list[StageModel] = []
-        if self.layout.pp > 1:
-            stack, stages = self._cut_pipeline_stages(module, stack)
-        if self.layout.tp > 1:
-            apply_tensor_parallel(
-                module,
-                stack,
-                self.device_mesh["tp"],
-                plan=plan,
-                layouts=layouts,
-                sequence_parallel=self._sequence_parallel,
-                loss_parallel=self._loss_parallel,
-            )
-        self._checkpoint_activations(stack.blocks)
         root = _ParallelRoot(module)
-        if not stages:
-            self._shard(root, stack.blocks, zero_stage=self._zero_stage)
-        else:
-            for stage in stages:
-                self._shard_stage(stage, stage.blocks)
-            self._pipeline_step = self._pipeline_step_over(module, stages, stack.enclosing)
+        config = dataclasses.replace(self._config, param_dtype=self._mixed_precision_compute_dtype())
+        self._parallelized = parallelize(
+            module,
+            self.device_mesh,
+            config,
+            root=root,
+            example_call=lambda: self._example_model_call(module),
+            report=rank_zero_info,
+        )
+        if self._parallelized.stages:
+            self._pipeline_step = self._pipeline_step_over(module, self._parallelized)
         self._parallel_root = root
         return root
-
-    def _keep_configure_model_split(self, module: pl.LightningModule) -> _ParallelRoot:
-        """Keep the split a ``configure_model`` written for Lightning's ``ModelParallelStrategy`` made, on this
-        strategy's mesh; shard over the data-parallel ranks only where it did not."""
-        if self.layout.pp > 1:
-            raise ValueError(
-                f"{type(module).__name__}.configure_model split the model itself (DTensor parameters or fully_shard), "
-                f"but pipeline_parallel_size={self.layout.pp} cuts stages from the model as written. Let lightdist "
-                "split it (drop the split from configure_model; tensor_parallel_size does it), or set "
-                "pipeline_parallel_size=1."
-            )
-        root = _ParallelRoot(module)
-        self._sharded_by_configure_model = any(isinstance(m, FSDPModule) for m in module.modules())
-        if self._sharded_by_configure_model:
-            kept = "its tensor-parallel split and its data-parallel sharding"
-        else:
-            self._shard(root, [], zero_stage=self._zero_stage)
-            kept = f"its tensor-parallel split, and shards it ZeRO-{self._zero_stage} over the data-parallel ranks"
-        rank_zero_info(
-            f"lightdist: {type(module).__name__}.configure_model split the model itself: lightdist keeps {kept}, "
-            "with no tensor parallelism or activation checkpointing of its own."
-        )
-        self._parallel_root = root
-        return root
-
-    def _parallelize_traced(self, module: pl.LightningModule, block_names: list[str]) -> _ParallelRoot:
-        """Pipeline stages cut by torch's tracer, each data parallel on its own: for a model whose blocks are not in
-        one ``ModuleList``, or with ``pipeline_tracer``. Tensor parallelism needs the structure cut."""
-        count = self.layout.pp * self._virtual_stages
-        sizes = self._blocks_per_stage(
-            len(block_names), ", ".join(block_names), lambda: traced_stage_sizes(module, block_names, count)
-        )
-        example = self._example_model_call(module)
-        stages = trace_stages(module, example, block_names, sizes, self.root_device)
-        rank_zero_info(f"lightdist: pipeline stages of {type(module).__name__} cut by torch's tracer: {sizes} blocks.")
-        self._tied_names = tied_names(stages[0].named_parameters(), stages[-1].named_parameters())
-        stages = [stages[index] for index in self._stages_of_this_rank()]
-        self._traced_stages = stages
-        drop_other_stages(module, stages)
-        for stage in stages:
-            blocks = [stage.get_submodule(name) for name in block_names if _has_submodule(stage, name)]
-            self._checkpoint_activations(blocks)
-            self._shard_stage(stage, blocks)
-        adopt_parameters(module, stages)
-        traced_input = TracedInput(module.forward, example, self._microbatches or self.layout.pp)
-        self._pipeline_step = self._pipeline_step_over(module, stages, [""], traced_input=traced_input)
-        self._parallel_root = _ParallelRoot(module)
-        return self._parallel_root
 
     def _example_model_call(self, module: pl.LightningModule) -> tuple[tuple, dict]:
         """One microbatch of the model call the run's step makes, for the tracer: learned from the first batch of the
@@ -883,102 +791,25 @@ class ParallelStrategy(ModelParallelStrategy):
         batch = module._apply_batch_transfer_handler(batch, next(module.parameters()).device)
         step = getattr(type(module), step_name)
         call = model_call_of(module, lambda whole: step(module, whole, 0), batch, metrics_of(module), [""])
-        microbatches = self._microbatches or self.layout.pp
+        microbatches = self._config.microbatches or self.layout.pp
         return apply_to_collection((call.args, call.kwargs), Tensor, lambda t: t[: max(len(t) // microbatches, 1)])
 
-    def _checkpoint_activations(self, blocks: Iterable[nn.Module]) -> None:
-        if self._activation_checkpointing is not None:
-            apply_activation_checkpointing(blocks, mode=self._activation_checkpointing)
-
-    def _shard(self, root: nn.Module, blocks: Iterable[nn.Module], zero_stage: ZeroStage) -> None:
-        apply_data_parallel(
-            root,
-            blocks,
-            dp_mesh=self.device_mesh["dp"],
-            zero_stage=zero_stage,
-            param_dtype=self._mixed_precision_compute_dtype(),
-            cpu_offload=self._cpu_offload,
-        )
-
-    def _shard_stage(self, stage: nn.Module, blocks: Iterable[nn.Module]) -> None:
-        # Each stage is its own FSDP root, as the schedules expect: they gather, reshard and reduce per stage.
-        # ZeRO-3 gathers a stage's parameters once per step, not once per microbatch (torchtitan's policy under a
-        # pipeline); resharding after each forward also gives zero-bubble schedules wrong weight gradients.
-        self._shard(stage, blocks, zero_stage=min(self._zero_stage, 2))
-
-    def _pipeline_step_over(
-        self,
-        module: pl.LightningModule,
-        stages: list[nn.Module],
-        callable_as_model: list[str],
-        traced_input: Callable[[tuple[tuple, dict]], tuple] | None = None,
-    ) -> PipelineStep:
-        pp_mesh = self.device_mesh["pp"]
-        count = self.layout.pp * self._virtual_stages
+    def _pipeline_step_over(self, module: pl.LightningModule, parallelized: Parallelized) -> PipelineStep:
+        pp_group = self.device_mesh["pp"].get_group()
+        count = parallelized.stage_count
         return PipelineStep(
             module,
             [
-                PipelineStage(stage, index, count, self.root_device, group=pp_mesh.get_group())
-                for stage, index in zip(stages, self._stages_of_this_rank(), strict=True)
+                PipelineStage(stage, index, count, self.root_device, group=pp_group)
+                for stage, index in zip(parallelized.stages, parallelized.stage_indices, strict=True)
             ],
-            SCHEDULES[self._pipeline_schedule].runner,
-            self._microbatches or self.layout.pp,
-            callable_as_model=callable_as_model,
-            sequence_shards=self.layout.tp if self._sequence_parallel else 1,
-            tied=tied_gradients(module, self._tied_names, self.device_mesh, self._timeout),
-            traced_input=traced_input,
+            SCHEDULES[self._config.pipeline_schedule].runner,
+            self._config.microbatches or self.layout.pp,
+            callable_as_model=parallelized.model_paths,
+            sequence_shards=self.layout.tp if self._config.sequence_parallel else 1,
+            tied=tied_gradients(module, parallelized.tied, self.device_mesh, self._timeout),
+            traced_input=parallelized.traced_input,
         )
-
-    def _blocks_per_stage(self, blocks: int, where: str, balanced: Callable[[], list[int]]) -> list[int]:
-        """``pipeline_split``, or the ``balanced`` split, of ``blocks`` (found in ``where``) over every stage."""
-        pp = self.layout.pp
-        count = pp * self._virtual_stages
-        if count > blocks:
-            stages = f"pipeline_parallel_size={pp}"
-            if self._virtual_stages > 1:
-                stages += f" x virtual_stages={self._virtual_stages} = {count} stages"
-            raise ValueError(
-                f"{stages} exceeds the {blocks} blocks of {where}: every stage needs at least one. Choose "
-                f"fewer stages, at most {blocks}."
-            )
-        sizes = self._pipeline_split or balanced()
-        if len(sizes) != count or sum(sizes) != blocks or min(sizes) < 1:
-            raise ValueError(
-                f"pipeline_split={sizes} must give each of the {count} stages at least one block, {blocks} in all."
-            )
-        return sizes
-
-    def _cut_pipeline_stages(
-        self, module: pl.LightningModule, stack: DecoderStack
-    ) -> tuple[DecoderStack, list[StageModel]]:
-        """Keep this rank's stages of ``module``: their blocks, and the embeddings or the norm and head."""
-        count = self.layout.pp * self._virtual_stages
-        sizes = self._blocks_per_stage(len(stack), stack.name, lambda: stage_sizes(module, stack, count))
-        self._tied_names = tied_across_stages(module, stack)
-        indices = self._stages_of_this_rank()
-        ranges = {index: range(sum(sizes[:index]), sum(sizes[: index + 1])) for index in indices}
-        first, last = 0 in indices, count - 1 in indices
-        blocks = list(stack.blocks)
-        stack = keep_stages(module, stack, {block for r in ranges.values() for block in r}, first=first, last=last)
-        as_stream = _identity
-        if self.layout.tp > 1 and self._sequence_parallel:
-            tp_mesh = self.device_mesh["tp"]
-            as_stream = partial(DTensor.from_local, device_mesh=tp_mesh, placements=[Shard(1)], run_check=False)
-        stages = [
-            StageModel(
-                module,
-                stack,
-                [blocks[block] for block in ranges[index]],
-                first=index == 0,
-                last=index == count - 1,
-                as_stream=as_stream,
-            )
-            for index in indices
-        ]
-        return stack, stages
-
-    def _stages_of_this_rank(self) -> list[int]:
-        return stages_of_rank(self.device_mesh["pp"].get_local_rank(), self.layout.pp, self._virtual_stages)
 
     def _clip_grad_norm_across_stages(self, optimizer: Optimizer, clip_val: float) -> None:
         parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -989,7 +820,7 @@ class ParallelStrategy(ModelParallelStrategy):
         ends, mapped to the embedding's."""
         if self._pipeline_step is None or self.device_mesh["pp"].get_local_rank() != self.layout.pp - 1:
             return {}
-        return {head: embedding for embedding, head in self._tied_names}
+        return {head: embedding for embedding, head in self._parallelized.tied}
 
     def _mixed_precision_compute_dtype(self) -> torch.dtype | None:
         if isinstance(self.precision_plugin, MixedPrecision):
@@ -999,21 +830,3 @@ class ParallelStrategy(ModelParallelStrategy):
     def _shard_optimizer_states(self) -> None:
         # LR schedulers keep the user's optimizers: a ShardedOptimizer shares their parameter groups.
         self.optimizers = [ShardedOptimizer(optimizer, self.device_mesh["dp"]) for optimizer in self.optimizers]
-
-
-def _identity(x: Tensor) -> Tensor:
-    return x
-
-
-def _split_by_configure_model(module: nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in module.parameters()) or any(
-        isinstance(m, FSDPModule) for m in module.modules()
-    )
-
-
-def _has_submodule(module: nn.Module, name: str) -> bool:
-    try:
-        module.get_submodule(name)
-    except AttributeError:
-        return False
-    return True

@@ -41,9 +41,7 @@ SCHEDULES: dict[str, Schedule] = {
 }
 
 
-def check_schedule(
-    pipeline_schedule: str, virtual_stages: int | None, microbatches: int | None, pipeline_parallel_size: int | str
-) -> None:
+def check_schedule(pipeline_schedule: str, virtual_stages: int | None, microbatches: int | None) -> None:
     """Refuse a schedule lightdist does not run, or options it cannot run with."""
     if pipeline_schedule == "zbv":
         raise NotImplementedError(
@@ -66,8 +64,6 @@ def check_schedule(
                 f"pipeline_schedule={pipeline_schedule!r} runs one stage per rank, but virtual_stages={virtual_stages}."
                 f" Use pipeline_schedule={looped} for several stages per rank."
             )
-    if isinstance(pipeline_parallel_size, int):
-        check_microbatch_rounds(pipeline_schedule, microbatches, pipeline_parallel_size)
 
 
 def check_microbatch_rounds(pipeline_schedule: str, microbatches: int | None, pipeline_parallel_size: int) -> None:
@@ -86,7 +82,7 @@ def check_microbatch_rounds(pipeline_schedule: str, microbatches: int | None, pi
 
 def virtual_stages_of(schedule: str, virtual_stages: int | None = None) -> int:
     """Stages per rank under ``schedule``: one for GPipe and 1F1B, else ``virtual_stages`` (default 2)."""
-    return virtual_stages or 2 if SCHEDULES[schedule].looped else 1
+    return (virtual_stages or 2) if SCHEDULES[schedule].looped else 1
 
 
 def stages_of_rank(rank: int, pp: int, virtual_stages: int) -> list[int]:

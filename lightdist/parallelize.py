@@ -1,0 +1,332 @@
+"""``parallelize``: a model split over a ``("pp", "dp", "tp")`` DeviceMesh, in one visible order.
+
+Cut pipeline stages, then tensor parallelism, then activation checkpointing, then ZeRO/FSDP: torchtitan's order, each
+step a call into its own module. Nothing here knows Lightning: ``ParallelStrategy`` calls it with the LightningModule,
+and a plain training loop can call it with any ``nn.Module`` (``examples/plain_loop.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
+
+from lightdist.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
+from lightdist.layout_probe import probe_layouts
+from lightdist.pipeline.schedules import PipelineSchedule, check_schedule, stages_of_rank, virtual_stages_of
+from lightdist.pipeline.structural import StageModel, keep_stages, stage_sizes
+from lightdist.pipeline.tied import tied_across_stages, tied_names
+from lightdist.pipeline.traced import TracedInput, adopt_parameters, drop_other_stages, trace_stages, traced_stage_sizes
+from lightdist.sharding import ZeroStage, apply_data_parallel
+from lightdist.structure import DecoderStack, find_decoder_stack, find_repeated_blocks
+from lightdist.tensor_parallel import TensorParallelStyle, apply_tensor_parallel, discover_plan
+
+__all__ = ["ParallelConfig", "Parallelized", "parallelize"]
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How a model is split, besides the mesh's sizes: ``ParallelStrategy``'s options of the same names."""
+
+    zero_stage: ZeroStage = 3
+    pipeline_schedule: PipelineSchedule = "1f1b"
+    virtual_stages: int | None = None
+    microbatches: int | None = None
+    pipeline_split: tuple[int, ...] | None = None
+    pipeline_tracer: bool = False
+    activation_checkpointing: ActivationCheckpointing | None = None
+    sequence_parallel: bool = True
+    loss_parallel: bool = False
+    cpu_offload: bool = False
+    tp_plan: Mapping[str, TensorParallelStyle] | None = None
+    param_dtype: torch.dtype | None = None  # the compute dtype of mixed precision
+
+    def __post_init__(self) -> None:
+        """Refuse what cannot run, when the options are given: before any process or tensor exists."""
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(
+                f"zero_stage={self.zero_stage!r} is not a ZeRO stage. Choose 0 (replicate), 1 (shard optimizer "
+                "state), 2 (+ gradients) or 3 (+ parameters)."
+            )
+        check_schedule(self.pipeline_schedule, self.virtual_stages, self.microbatches)
+        if self.activation_checkpointing not in (None, "full", "selective"):
+            raise ValueError(
+                f"activation_checkpointing={self.activation_checkpointing!r} is not one of None, 'full', 'selective'."
+            )
+        if self.cpu_offload and self.zero_stage < 2:
+            raise ValueError(
+                f"cpu_offload=True needs sharded parameters and gradients, but zero_stage={self.zero_stage}. "
+                "Use zero_stage=2 or 3 with cpu_offload."
+            )
+
+    @property
+    def stages_per_pipeline_rank(self) -> int:
+        """Stages each pipeline rank holds: one under GPipe and 1F1B, else ``virtual_stages`` (default 2)."""
+        return virtual_stages_of(self.pipeline_schedule, self.virtual_stages)
+
+    def zero_stage_run(self, pp: int) -> ZeroStage:
+        """The ZeRO stage that runs: under a pipeline at most 2, since the schedules gather a stage's parameters once
+        per step rather than once per microbatch (torchtitan's policy), and resharding after each forward gives the
+        zero-bubble schedules wrong weight gradients."""
+        return min(self.zero_stage, 2) if pp > 1 else self.zero_stage
+
+
+@dataclass
+class Parallelized:
+    """What ``parallelize`` made of a model on this rank."""
+
+    model: nn.Module
+    # Under a pipeline: this rank's stage modules and their indices among ``stage_count`` stages, the paths of the
+    # modules whose call the stages answer, the (first end, last end) names of weights tied across the pipeline, and
+    # for traced stages what turns a model call into the first stage's inputs.
+    stages: list[nn.Module] = field(default_factory=list)
+    stage_indices: list[int] = field(default_factory=list)
+    stage_count: int = 1
+    model_paths: list[str] = field(default_factory=list)
+    tied: list[tuple[str, str]] = field(default_factory=list)
+    traced_input: TracedInput | None = None
+    # Whether the model came sharded already (a ``configure_model`` written for Lightning's ModelParallelStrategy).
+    sharded_by_user: bool = False
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    config: ParallelConfig,
+    *,
+    root: nn.Module | None = None,
+    example_call: Callable[[], tuple[tuple, dict]] | None = None,
+    report: Callable[[str], Any] = print,
+) -> Parallelized:
+    """Split ``model`` over ``mesh`` as ``config`` says. A collective of every rank of the mesh.
+
+    ``root``: the module that holds ``model`` and runs in its place, FSDP's outermost unit (default ``model``).
+    ``example_call``: one microbatch's (args, kwargs) of the model call, for torch's tracer, which only cuts stages of a
+    model with no block list (or with ``pipeline_tracer``). ``report``: where the lines that say what was chosen go.
+    """
+    root = model if root is None else root
+    if _split_already(model):
+        return _keep_user_split(model, mesh, config, root, report)
+    pp, tp = mesh["pp"].size(), mesh["tp"].size()
+    if config.zero_stage_run(pp) != config.zero_stage:
+        report(
+            f"lightdist: under a pipeline zero_stage={config.zero_stage} runs as ZeRO-{config.zero_stage_run(pp)}: "
+            "a stage's parameters stay gathered from its first forward of a step to its last backward (gathering "
+            "them again for every microbatch would multiply the traffic), and sharded between steps."
+        )
+    try:
+        stack = find_decoder_stack(model)
+    except ValueError:
+        # Without a block list: data parallelism shards per repeated block, the pipeline is traced.
+        block_names = find_repeated_blocks(model)
+        if not block_names or tp > 1:
+            raise
+        if pp > 1:
+            return _parallelize_traced(model, mesh, config, root, block_names, example_call, report)
+        blocks = [model.get_submodule(name) for name in block_names]
+        _checkpoint_activations(blocks, config)
+        _shard(root, blocks, mesh, config, config.zero_stage)
+        return Parallelized(root)
+    if config.pipeline_tracer and pp > 1:
+        block_names = [f"{stack.name}.{index}" for index in range(len(stack))]
+        return _parallelize_traced(model, mesh, config, root, block_names, example_call, report)
+    plan, layouts = {}, {}
+    if tp > 1:  # on the whole model, where the embedding and the head split by vocabulary are seen
+        plan = discover_plan(model, stack, tp_plan=config.tp_plan)
+        layouts = probe_layouts(model, stack, plan, mesh["tp"], report=report)
+    result = Parallelized(root)
+    if pp > 1:
+        stack, result = _cut_pipeline_stages(model, stack, mesh, config, root)
+    if tp > 1:
+        apply_tensor_parallel(
+            model,
+            stack,
+            mesh["tp"],
+            plan=plan,
+            layouts=layouts,
+            sequence_parallel=config.sequence_parallel,
+            loss_parallel=config.loss_parallel,
+        )
+    _checkpoint_activations(stack.blocks, config)
+    if not result.stages:
+        _shard(root, stack.blocks, mesh, config, config.zero_stage)
+    for stage in result.stages:
+        # Each stage is its own FSDP root, as the schedules expect: they gather, reshard and reduce per stage.
+        _shard(stage, stage.blocks, mesh, config, config.zero_stage_run(pp))
+    return result
+
+
+def _split_already(model: nn.Module) -> bool:
+    """Whether the model came split already: DTensor parameters, or FSDP units."""
+    return any(isinstance(p, DTensor) for p in model.parameters()) or any(
+        isinstance(m, FSDPModule) for m in model.modules()
+    )
+
+
+def _keep_user_split(
+    model: nn.Module, mesh: DeviceMesh, config: ParallelConfig, root: nn.Module, report: Callable[[str], Any]
+) -> Parallelized:
+    """Keep the split a ``configure_model`` written for Lightning's ``ModelParallelStrategy`` made, on this mesh;
+    shard over the data-parallel ranks only where it did not."""
+    name = type(model).__name__
+    if mesh["pp"].size() > 1:
+        raise ValueError(
+            f"{name}.configure_model split the model itself (DTensor parameters or fully_shard), but "
+            f"pipeline_parallel_size={mesh['pp'].size()} cuts stages from the model as written. Let lightdist split "
+            "it (drop the split from configure_model; tensor_parallel_size does it), or set pipeline_parallel_size=1."
+        )
+    sharded = any(isinstance(m, FSDPModule) for m in model.modules())
+    if sharded:
+        kept = "its tensor-parallel split and its data-parallel sharding"
+    else:
+        _shard(root, [], mesh, config, config.zero_stage)
+        kept = f"its tensor-parallel split, and shards it ZeRO-{config.zero_stage} over the data-parallel ranks"
+    report(
+        f"lightdist: {name}.configure_model split the model itself: lightdist keeps {kept}, with no tensor "
+        "parallelism or activation checkpointing of its own."
+    )
+    return Parallelized(root, sharded_by_user=sharded)
+
+
+def _parallelize_traced(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    config: ParallelConfig,
+    root: nn.Module,
+    block_names: list[str],
+    example_call: Callable[[], tuple[tuple, dict]] | None,
+    report: Callable[[str], Any],
+) -> Parallelized:
+    """Pipeline stages cut by torch's tracer, each data parallel on its own: for a model whose blocks are not in
+    one ``ModuleList``, or with ``pipeline_tracer``. Tensor parallelism needs the structure cut."""
+    pp = mesh["pp"].size()
+    count = pp * config.stages_per_pipeline_rank
+    sizes = _blocks_per_stage(
+        len(block_names),
+        ", ".join(block_names),
+        count,
+        pp,
+        config,
+        lambda: traced_stage_sizes(model, block_names, count),
+    )
+    if example_call is None:
+        raise ValueError(f"Cutting {type(model).__name__}'s pipeline stages with torch's tracer needs an example call.")
+    example = example_call()
+    stages = trace_stages(model, example, block_names, sizes, _device_of(mesh))
+    report(f"lightdist: pipeline stages of {type(model).__name__} cut by torch's tracer: {sizes} blocks.")
+    tied = tied_names(stages[0].named_parameters(), stages[-1].named_parameters())
+    indices = stages_of_rank(mesh["pp"].get_local_rank(), pp, config.stages_per_pipeline_rank)
+    stages = [stages[index] for index in indices]
+    drop_other_stages(model, stages)
+    for stage in stages:
+        blocks = [stage.get_submodule(name) for name in block_names if _has_submodule(stage, name)]
+        _checkpoint_activations(blocks, config)
+        _shard(stage, blocks, mesh, config, config.zero_stage_run(pp))
+    adopt_parameters(model, stages)
+    return Parallelized(
+        root,
+        stages=stages,
+        stage_indices=indices,
+        stage_count=count,
+        model_paths=[""],
+        tied=tied,
+        traced_input=TracedInput(model.forward, example, config.microbatches or pp),
+    )
+
+
+def _cut_pipeline_stages(
+    model: nn.Module, stack: DecoderStack, mesh: DeviceMesh, config: ParallelConfig, root: nn.Module
+) -> tuple[DecoderStack, Parallelized]:
+    """Keep this rank's stages of ``model``: their blocks, and the embeddings or the norm and head."""
+    pp = mesh["pp"].size()
+    count = pp * config.stages_per_pipeline_rank
+    sizes = _blocks_per_stage(len(stack), stack.name, count, pp, config, lambda: stage_sizes(model, stack, count))
+    tied = tied_across_stages(model, stack)
+    indices = stages_of_rank(mesh["pp"].get_local_rank(), pp, config.stages_per_pipeline_rank)
+    ranges = {index: range(sum(sizes[:index]), sum(sizes[: index + 1])) for index in indices}
+    blocks = list(stack.blocks)
+    kept = {block for r in ranges.values() for block in r}
+    stack = keep_stages(model, stack, kept, first=0 in indices, last=count - 1 in indices)
+    as_stream = _identity
+    if mesh["tp"].size() > 1 and config.sequence_parallel:
+        as_stream = partial(DTensor.from_local, device_mesh=mesh["tp"], placements=[Shard(1)], run_check=False)
+    stages = [
+        StageModel(
+            model,
+            stack,
+            [blocks[block] for block in ranges[index]],
+            first=index == 0,
+            last=index == count - 1,
+            as_stream=as_stream,
+        )
+        for index in indices
+    ]
+    return stack, Parallelized(
+        root, stages=stages, stage_indices=indices, stage_count=count, model_paths=stack.enclosing, tied=tied
+    )
+
+
+def _blocks_per_stage(
+    blocks: int, where: str, count: int, pp: int, config: ParallelConfig, balanced: Callable[[], list[int]]
+) -> list[int]:
+    """``pipeline_split``, or the ``balanced`` split, of ``blocks`` (found in ``where``) over ``count`` stages."""
+    if count > blocks:
+        stages = f"pipeline_parallel_size={pp}"
+        if count > pp:
+            stages += f" x virtual_stages={count // pp} = {count} stages"
+        raise ValueError(
+            f"{stages} exceeds the {blocks} blocks of {where}: every stage needs at least one. Choose "
+            f"fewer stages, at most {blocks}."
+        )
+    sizes = list(config.pipeline_split) if config.pipeline_split else balanced()
+    if len(sizes) != count or sum(sizes) != blocks or min(sizes) < 1:
+        raise ValueError(
+            f"pipeline_split={sizes} must give each of the {count} stages at least one block, {blocks} in all."
+        )
+    return sizes
+
+
+def _checkpoint_activations(blocks: Iterable[nn.Module], config: ParallelConfig) -> None:
+    if config.activation_checkpointing is not None:
+        apply_activation_checkpointing(blocks, mode=config.activation_checkpointing)
+
+
+def _shard(
+    root: nn.Module, blocks: Iterable[nn.Module], mesh: DeviceMesh, config: ParallelConfig, zero_stage: ZeroStage
+) -> None:
+    apply_data_parallel(
+        root,
+        blocks,
+        dp_mesh=mesh["dp"],
+        zero_stage=zero_stage,
+        param_dtype=config.param_dtype,
+        cpu_offload=config.cpu_offload,
+    )
+
+
+def _has_submodule(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _device_of(mesh: DeviceMesh) -> torch.device:
+    """This rank's device: the mesh's type, and on CUDA the device Lightning or torchrun made current."""
+    return (
+        torch.device(mesh.device_type, torch.cuda.current_device())
+        if mesh.device_type == "cuda"
+        else torch.device(mesh.device_type)
+    )
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
