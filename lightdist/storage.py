@@ -196,6 +196,7 @@ class SavedCheckpoint:
     saved_at: datetime  # when its save ended (its manifest was written); unfinished, when one of its files was
     step: int | None  # the global step saved, where its manifest says
     pointer: str | None = None  # a pointer beside it (last.ckpt) that names it
+    cut_short: bool = False  # a save that never committed: never a checkpoint, by the atomic commit
 
 
 def checkpoints_under(*urls: str) -> list[SavedCheckpoint]:
@@ -243,8 +244,11 @@ def _checkpoints_under(url: str) -> list[SavedCheckpoint]:
         problem, step = _inspect(fs, directory, directories[directory])
         written = MANIFEST_FILENAME if MANIFEST_FILENAME in directories[directory] else max(directories[directory])
         saved_at = fs.modified(posixpath.join(directory, written))
+        cut_short = MANIFEST_FILENAME not in directories[directory]
         found.append(
-            SavedCheckpoint(_spelled_as(url, root, directory), problem, saved_at, step, pointers.get(directory))
+            SavedCheckpoint(
+                _spelled_as(url, root, directory), problem, saved_at, step, pointers.get(directory), cut_short
+            )
         )
     problem = "a single-file checkpoint, which lightdist's sharded loading cannot read"
     found += [SavedCheckpoint(_spelled_as(url, root, path), problem, fs.modified(path), None) for path in single_files]

@@ -15,8 +15,8 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 
 from lightdist.layout import ParallelLayout
-from lightdist.planner import ActivationCheckpointing, Cluster, Estimate, GiB, ModelShape, choose_layout
-from lightdist.tensor_parallel import TensorParallelStyle
+from lightdist.parallelize import ParallelConfig
+from lightdist.planner import Cluster, Estimate, GiB, ModelShape, choose_layout
 from lightdist.throughput import device_peak_flops
 
 if TYPE_CHECKING:
@@ -34,13 +34,10 @@ def planned_layout(
     pp: int | None,
     dp: int | None,
     tp: int | None,
-    zero_stage: int,
-    activation_checkpointing: ActivationCheckpointing,
-    microbatches: int | None,
-    stages_per_rank: int,
-    tp_plan: dict[str, TensorParallelStyle] | None,
+    config: ParallelConfig,
 ) -> tuple[ParallelLayout, Estimate]:
-    """The layout that trains ``module`` fastest within its devices' memory, the sizes not ``None`` held."""
+    """The layout that trains ``module`` fastest within its devices' memory, split as ``config`` says, the sizes not
+    ``None`` held."""
     if not any(True for _ in module.parameters()):
         # Lightning asks the hook to be idempotent: its own call finds the layers built, on the meta device, and the
         # strategy materializes them once split, as after `trainer.init_module(empty_init=True)`.
@@ -56,18 +53,18 @@ def planned_layout(
         **({"peak_tflops": peak / 1e12} if peak is not None else {}),
     )
     choice = choose_layout(
-        ModelShape(module, tp_plan),
+        ModelShape(module, config.tp_plan),
         cluster,
         seq_len=seq_len,
         batch_per_replica=batch_size,
         precision=_planned_precision(module.trainer.precision),
-        zero_stage=zero_stage,
-        activation_checkpointing=activation_checkpointing,
+        zero_stage=config.zero_stage,
+        activation_checkpointing=config.activation_checkpointing,
         pp=pp,
         dp=dp,
         tp=tp,
-        microbatches=microbatches,
-        stages_per_rank=stages_per_rank,
+        microbatches=config.microbatches,
+        stages_per_rank=config.stages_per_pipeline_rank,
     )
     return ParallelLayout(pp=choice.layout.pp, dp=choice.layout.dp, tp=choice.layout.tp), choice
 

@@ -22,23 +22,29 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from datetime import timedelta
 from functools import partial, wraps
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import CombinedLoader
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torchmetrics import Metric
 
+from lightdist.parallelize import ParallelConfig, Parallelized
+from lightdist.pipeline.schedules import SCHEDULES
 from lightdist.pipeline.structural import ModelCall
-from lightdist.pipeline.tied import TiedGradients
+from lightdist.pipeline.tied import TiedGradients, tied_gradients
 from lightdist.plugins.metric_sync import load_metric_states, metric_states, metrics_of
 
-__all__ = ["PipelineStep", "StageClock", "model_call_of"]
+__all__ = ["PipelineStep", "StageClock", "example_model_call", "model_call_of", "pipeline_step_over"]
 
 
 class StageClock:
@@ -352,3 +358,47 @@ _OVER_MICROBATCHES = {
 
 def _over_microbatches(values: list[Tensor], reduce_fx: Any) -> Tensor:
     return _OVER_MICROBATCHES.get(reduce_fx, torch.mean)(torch.stack(values))
+
+
+def pipeline_step_over(
+    module: LightningModule,
+    parallelized: Parallelized,
+    mesh: DeviceMesh,
+    config: ParallelConfig,
+    device: torch.device,
+    timeout: timedelta,
+) -> PipelineStep:
+    """The step runner over this rank's stages of ``parallelized``: torch's ``PipelineStage`` on the mesh's ``pp``
+    group, the schedule ``config`` names. A collective: every rank takes part in grouping the tied weights' ends."""
+    pp_group = mesh["pp"].get_group()
+    stages = [
+        PipelineStage(stage, index, parallelized.stage_count, device, group=pp_group)
+        for stage, index in zip(parallelized.stages, parallelized.stage_indices, strict=True)
+    ]
+    return PipelineStep(
+        module,
+        stages,
+        SCHEDULES[config.pipeline_schedule].runner,
+        config.microbatches or mesh["pp"].size(),
+        callable_as_model=parallelized.model_paths,
+        sequence_shards=mesh["tp"].size() if config.sequence_parallel else 1,
+        tied=tied_gradients(module, parallelized.tied, mesh, timeout),
+        traced_input=parallelized.traced_input,
+    )
+
+
+def example_model_call(module: LightningModule, microbatches: int) -> tuple[tuple, dict]:
+    """One microbatch of the model call the run's step makes, for the tracer: learned from the first batch of the
+    data the run starts on, on the device the parameters are on now."""
+    trainer = module.trainer
+    loop, step_name = {
+        TrainerFn.FITTING: (trainer.fit_loop, "training_step"),
+        TrainerFn.VALIDATING: (trainer.validate_loop, "validation_step"),
+        TrainerFn.TESTING: (trainer.test_loop, "test_step"),
+        TrainerFn.PREDICTING: (trainer.predict_loop, "predict_step"),
+    }[trainer.state.fn]
+    batch, _, _ = next(iter(CombinedLoader(loop._data_source.dataloader(), "sequential")))
+    batch = module._apply_batch_transfer_handler(batch, next(module.parameters()).device)
+    step = getattr(type(module), step_name)
+    call = model_call_of(module, lambda whole: step(module, whole, 0), batch, metrics_of(module), [""])
+    return apply_to_collection((call.args, call.kwargs), Tensor, lambda t: t[: max(len(t) // microbatches, 1)])

@@ -94,9 +94,10 @@ def resuming_launcher(environment: ClusterEnvironment, num_processes: int, num_n
 
 
 def newest_complete_checkpoint(directories: list[str]) -> str | None:
-    """The newest complete checkpoint under ``directories``, ``None`` where there are no checkpoints there at all;
-    newer ones that cannot be loaded (cut short, damaged) are skipped with one line naming them. Where checkpoints
-    exist but none can be loaded, an error: never a silent start from step 0.
+    """The newest complete checkpoint under ``directories``, ``None`` where there are no checkpoints there at all, or
+    only saves cut short (a first save that a crash stopped: never committed, so never a checkpoint); newer ones that
+    cannot be loaded (cut short, damaged) are skipped with one line naming them. Where checkpoints exist but none can
+    be loaded, an error: never a silent start from step 0.
 
     Where a pointer (``last.ckpt``) names it, the pointer is returned, as Lightning's own search returns
     ``last.ckpt``: Lightning's retention spares the checkpoint a run was resumed from, so a checkpoint directory
@@ -107,6 +108,13 @@ def newest_complete_checkpoint(directories: list[str]) -> str | None:
         rank_zero_info(f"lightdist: no checkpoint under {where}: starting from step 0")
         return None
     complete = next((checkpoint for checkpoint in newest_first if checkpoint.problem is None), None)
+    if complete is None and all(checkpoint.cut_short for checkpoint in newest_first):
+        more = f" and {len(newest_first) - 1} more" if len(newest_first) > 1 else ""
+        rank_zero_info(
+            f"lightdist: no checkpoint under {where} was completed ({newest_first[0].url}{more}: saves cut short "
+            "before their commit): starting from step 0"
+        )
+        return None
     if complete is None:
         listed = "; ".join(f"{checkpoint.url} is {checkpoint.problem}" for checkpoint in newest_first[:4])
         more = f"; and {len(newest_first) - 4} more" if len(newest_first) > 4 else ""

@@ -22,17 +22,12 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities import CombinedLoader
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed import ReduceOp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
-from torch.distributed.pipelining import (
-    PipelineStage,
-)
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -43,12 +38,10 @@ from lightdist.layout import MESH_DIM_NAMES, ParallelLayout
 from lightdist.loss_parallel import vocab_parallel_cross_entropy
 from lightdist.parallelize import ParallelConfig, Parallelized, parallelize
 from lightdist.pipeline.schedules import (
-    SCHEDULES,
     PipelineSchedule,
     check_microbatch_rounds,
 )
 from lightdist.pipeline.structural import grad_norm_across_stages
-from lightdist.pipeline.tied import tied_gradients
 from lightdist.pipeline.traced import (
     share_model_buffers,
 )
@@ -56,16 +49,16 @@ from lightdist.planner import GiB
 from lightdist.plugins.auto_layout import planned_layout
 from lightdist.plugins.checkpoint_io import ShardedCheckpointIO
 from lightdist.plugins.metric_sync import (
-    metrics_of,
     metrics_set_aside,
     reduce_metrics_over,
     refuse_metrics_on_meta,
 )
 from lightdist.plugins.non_finite import NonFiniteError, NonFinitePolicy, NonFiniteStep, check_finite
 from lightdist.plugins.options import validate_options
-from lightdist.plugins.pipeline_step import PipelineStep, model_call_of
+from lightdist.plugins.pipeline_step import PipelineStep, example_model_call, pipeline_step_over
 from lightdist.plugins.rank_state import deal_samples_in_turn, gather_rank_states, take_rank_state
 from lightdist.plugins.resume import resuming_launcher
+from lightdist.plugins.strategy_names import STRATEGY_NAMES
 from lightdist.restarts import nodes_started_by_torchrun, round_store
 from lightdist.rng import set_rng_state
 from lightdist.sharding import ShardedOptimizer, ZeroStage
@@ -635,45 +628,8 @@ class ParallelStrategy(ModelParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(
-            "lightdist", cls, description="lightdist: every rank data parallel, ZeRO-3 (FSDP2) sharding"
-        )
-        strategy_registry.register(
-            "lightdist_ddp", cls, description="lightdist: data parallel, replicated (ZeRO-0)", zero_stage=0
-        )
-        strategy_registry.register(
-            "lightdist_tp",
-            cls,
-            description="lightdist: tensor parallel across each node's devices, ZeRO-3 across nodes",
-            tensor_parallel_size="node",
-        )
-        strategy_registry.register(
-            "lightdist_auto",
-            cls,
-            description="lightdist: the planner picks the pipeline, data and tensor parallel sizes, ZeRO-3",
-            tensor_parallel_size="auto",
-            pipeline_parallel_size="auto",
-        )
-        strategy_registry.register(
-            "lightdist_pp",
-            cls,
-            description="lightdist: 2 pipeline stages (1F1B), ZeRO-3 across the rest",
-            pipeline_parallel_size=2,
-        )
-        strategy_registry.register(
-            "lightdist_3d",
-            cls,
-            description="lightdist: 2 pipeline stages x tensor parallel in pairs x ZeRO-3 across the rest",
-            pipeline_parallel_size=2,
-            tensor_parallel_size=2,
-        )
-        for stage, shards in ((1, "optimizer state"), (2, "optimizer state and gradients"), (3, "everything")):
-            strategy_registry.register(
-                f"lightdist_zero{stage}",
-                cls,
-                description=f"lightdist: data parallel, ZeRO-{stage} (shards {shards})",
-                zero_stage=stage,
-            )
+        for name, (description, options) in STRATEGY_NAMES.items():
+            strategy_registry.register(name, cls, description=f"lightdist: {description}", **options)
 
     @override
     def on_train_start(self) -> None:
@@ -737,11 +693,7 @@ class ParallelStrategy(ModelParallelStrategy):
             pp=given(self._pipeline_parallel_size),
             dp=given(self._data_parallel_size),
             tp=given(self._node_tensor_parallel_size),
-            zero_stage=self._config.zero_stage,
-            activation_checkpointing=self._config.activation_checkpointing,
-            microbatches=self._config.microbatches,
-            stages_per_rank=self._config.stages_per_pipeline_rank,
-            tp_plan=self._config.tp_plan,
+            config=self._config,
         )
         layout = self.broadcast(layout)
         check_microbatch_rounds(self._config.pipeline_schedule, self._config.microbatches, layout.pp)
@@ -769,47 +721,15 @@ class ParallelStrategy(ModelParallelStrategy):
             self.device_mesh,
             config,
             root=root,
-            example_call=lambda: self._example_model_call(module),
+            example_call=lambda: example_model_call(module, self._config.microbatches or self.layout.pp),
             report=rank_zero_info,
         )
         if self._parallelized.stages:
-            self._pipeline_step = self._pipeline_step_over(module, self._parallelized)
+            self._pipeline_step = pipeline_step_over(
+                module, self._parallelized, self.device_mesh, self._config, self.root_device, self._timeout
+            )
         self._parallel_root = root
         return root
-
-    def _example_model_call(self, module: pl.LightningModule) -> tuple[tuple, dict]:
-        """One microbatch of the model call the run's step makes, for the tracer: learned from the first batch of the
-        data the run starts on, on the device the parameters are on now."""
-        trainer = module.trainer
-        loop, step_name = {
-            TrainerFn.FITTING: (trainer.fit_loop, "training_step"),
-            TrainerFn.VALIDATING: (trainer.validate_loop, "validation_step"),
-            TrainerFn.TESTING: (trainer.test_loop, "test_step"),
-            TrainerFn.PREDICTING: (trainer.predict_loop, "predict_step"),
-        }[trainer.state.fn]
-        batch, _, _ = next(iter(CombinedLoader(loop._data_source.dataloader(), "sequential")))
-        batch = module._apply_batch_transfer_handler(batch, next(module.parameters()).device)
-        step = getattr(type(module), step_name)
-        call = model_call_of(module, lambda whole: step(module, whole, 0), batch, metrics_of(module), [""])
-        microbatches = self._config.microbatches or self.layout.pp
-        return apply_to_collection((call.args, call.kwargs), Tensor, lambda t: t[: max(len(t) // microbatches, 1)])
-
-    def _pipeline_step_over(self, module: pl.LightningModule, parallelized: Parallelized) -> PipelineStep:
-        pp_group = self.device_mesh["pp"].get_group()
-        count = parallelized.stage_count
-        return PipelineStep(
-            module,
-            [
-                PipelineStage(stage, index, count, self.root_device, group=pp_group)
-                for stage, index in zip(parallelized.stages, parallelized.stage_indices, strict=True)
-            ],
-            SCHEDULES[self._config.pipeline_schedule].runner,
-            self._config.microbatches or self.layout.pp,
-            callable_as_model=parallelized.model_paths,
-            sequence_shards=self.layout.tp if self._config.sequence_parallel else 1,
-            tied=tied_gradients(module, parallelized.tied, self.device_mesh, self._timeout),
-            traced_input=parallelized.traced_input,
-        )
 
     def _clip_grad_norm_across_stages(self, optimizer: Optimizer, clip_val: float) -> None:
         parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]

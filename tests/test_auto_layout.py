@@ -11,6 +11,7 @@ from lightning.pytorch import Trainer
 
 from lightdist.layout import ParallelLayout
 from lightdist.models import Llama, TokenDataModule
+from lightdist.parallelize import ParallelConfig
 from lightdist.planner import Cluster, GiB, ModelShape, choose_layout
 from lightdist.plugins.auto_layout import device_memory_gib, planned_layout
 
@@ -65,11 +66,7 @@ def planned_on_two_cpu_ranks(model: Llama) -> ParallelLayout:
         pp=None,
         dp=None,
         tp=None,
-        zero_stage=3,
-        activation_checkpointing=None,
-        microbatches=None,
-        stages_per_rank=1,
-        tp_plan=None,
+        config=ParallelConfig(),
     )
     return layout
 

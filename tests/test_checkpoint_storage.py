@@ -126,6 +126,18 @@ def test_last_refuses_checkpoints_none_of_which_can_be_loaded(run_url: str) -> N
     assert "training did not start from step 0 in their place" in message
 
 
+def test_last_with_only_a_save_cut_short_starts_from_step_0_and_says_so(
+    run_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A crash during the run's first save: what it left was never committed, so no checkpoint was ever made."""
+    fake_shards(f"{run_url}/epoch=0-step=1.ckpt")
+    assert newest_complete_checkpoint([run_url]) is None
+    assert caplog.messages == [
+        f"lightdist: no checkpoint under {run_url} was completed ({run_url}/epoch=0-step=1.ckpt: saves cut short "
+        "before their commit): starting from step 0"
+    ]
+
+
 def test_last_with_no_checkpoint_at_all_starts_from_step_0_and_says_so(
     run_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -139,7 +151,8 @@ def test_last_with_no_checkpoint_at_all_starts_from_step_0_and_says_so(
 
 
 def test_fit_from_last_that_cannot_be_loaded_fails_before_any_process_group_exists(tmp_path: Path) -> None:
-    fake_shards(str(tmp_path / "run" / "epoch=0-step=4.ckpt"))
+    complete(str(tmp_path / "run" / "epoch=0-step=4.ckpt"), step=4)
+    (tmp_path / "run" / "epoch=0-step=4.ckpt" / "__1_0.distcp").unlink()  # a shard lost since it was saved
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
@@ -148,7 +161,7 @@ def test_fit_from_last_that_cannot_be_loaded_fails_before_any_process_group_exis
         logger=False,
         enable_progress_bar=False,
     )
-    with pytest.raises(ValueError, match=r"none that can be loaded: .*epoch=0-step=4.ckpt is incomplete"):
+    with pytest.raises(ValueError, match=r"none that can be loaded: .*epoch=0-step=4.ckpt is damaged"):
         trainer.fit(MODELS["llama"](learning_rate=1e-3, warmup_steps=2), ckpt_path="last")
     assert not dist.is_initialized()
 

@@ -219,6 +219,8 @@ def test_parallel_run_matches_single_process(world_size: int, name: str) -> None
     case = CASES[world_size][name]
     parallel = parallel_results(world_size)[name]
     single = reference_results()[case.reference(world_size)]
+    assert not parallel.error, parallel.error
+    assert not single.error, single.error
 
     assert len(parallel.losses) == case.steps * case.accumulate_grad_batches
     torch.testing.assert_close(parallel.losses, single.losses, rtol=1e-5, atol=0)

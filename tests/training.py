@@ -12,6 +12,7 @@ rate. Final weights then agree within 1e-5 at 1e-3, and the gap grows linearly w
 from __future__ import annotations
 
 import json
+import traceback
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -253,6 +254,7 @@ class Result:
     validated: dict[str, float] = field(default_factory=dict)  # what trainer.validate returned after training
     grad_norms: list[float] = field(default_factory=list)  # per optimizer step, before clipping (TrainingMonitor)
     layout: str = ""  # the layout ParallelStrategy trained under
+    error: str = ""  # the traceback of a run that raised: the runs after it in the same ranks still ran
 
 
 class _RecordLosses(Callback):
@@ -383,5 +385,14 @@ def merge_stages(results_per_rank: list[list[Result]]) -> list[Result]:
 
 
 def train_cases(cases: list[Case], devices: int = 1) -> list[Result]:
-    """Several runs in one group of processes, so the start-up cost is paid once."""
-    return [train(case, devices) for case in cases]
+    """Several runs in one group of processes, so the start-up cost is paid once. A run that raises is reported as its
+    error and the next one runs: every case gets its own result where the run raised on every rank alike, as the
+    same code on the same data does (where one rank alone raised, the others wait in a collective until the group's
+    timeout names it)."""
+    results = []
+    for case in cases:
+        try:
+            results.append(train(case, devices))
+        except Exception:
+            results.append(Result(error=traceback.format_exc()))
+    return results
