@@ -13,7 +13,7 @@ import sys
 
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
-import lightdist  # noqa: F401  (registers the strategy names before the config is parsed)
+import lightdist.plugins  # noqa: F401  (registers the strategy names before the config is parsed)
 from lightdist import export, plan
 
 __all__ = ["main"]

@@ -16,9 +16,10 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
-from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed import Store, TCPStore
 
 __all__ = ["nodes_started_by_torchrun", "round_store"]
@@ -59,8 +60,8 @@ def round_store(rank: int, timeout: timedelta) -> Store | None:
     )
 
 
-def nodes_started_by_torchrun(configured: int) -> int:
-    """The nodes torchrun's agents brought to this round.
+def nodes_started_by_torchrun(configured: int, report: Callable[[str], Any] = print) -> int:
+    """The nodes torchrun's agents brought to this round; ``report`` says so where they differ from ``configured``.
 
     Under ``--nnodes=MIN:MAX`` the agents decide how many nodes train, round by round: a lost node restarts the job on
     the others. ``Trainer(num_nodes=...)`` is then what the user expected, and Lightning's check of it against the
@@ -69,5 +70,5 @@ def nodes_started_by_torchrun(configured: int) -> int:
         return configured
     started = int(os.environ["GROUP_WORLD_SIZE"])
     if started != configured:
-        rank_zero_info(f"torchrun started {started} node(s) for this round: training on them, not on {configured}.")
+        report(f"torchrun started {started} node(s) for this round: training on them, not on {configured}.")
     return started

@@ -38,13 +38,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 
 # Not re-exported by torch.distributed.checkpoint (torch 2.13), but the writer and reader DCP documents for fsspec.
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 __all__ = [
+    "LIGHTNING_METADATA_FILENAME",
     "MANIFEST_FILENAME",
     "SavedCheckpoint",
     "UnsafeCheckpointError",
@@ -65,6 +65,9 @@ __all__ = [
 ]
 
 MANIFEST_FILENAME = "COMPLETE"
+# Where Lightning's sharded checkpoints keep its non-tensor state (its private ``_METADATA_FILENAME``), so that
+# Lightning's own loading reads lightdist's checkpoints too; a test pins the two equal.
+LIGHTNING_METADATA_FILENAME = "meta.pt"
 _POINTER_KEY = "lightdist_checkpoint"
 
 
@@ -142,7 +145,7 @@ def commit(url: str, metadata: bytes, *, step: int | None = None) -> None:
 
     ``step``, the global step saved, orders saves that object storage dates to the same second."""
     fs, path = url_to_fs(url)
-    fs.pipe_file(posixpath.join(path, _METADATA_FILENAME), metadata)
+    fs.pipe_file(posixpath.join(path, LIGHTNING_METADATA_FILENAME), metadata)
     fs.invalidate_cache(path)  # the shards were written by other processes
     manifest = {"files": _file_sizes(fs, path), "global_step": step}
     _replace(fs, posixpath.join(path, MANIFEST_FILENAME), json.dumps(manifest, indent=1).encode())
@@ -261,7 +264,7 @@ def _spelled_as(url: str, root: str, path: str) -> str:
     return url if relative == "." else f"{url.rstrip('/')}/{relative}"
 
 
-_SHARDED_FILES = frozenset({MANIFEST_FILENAME, ".metadata", _METADATA_FILENAME})
+_SHARDED_FILES = frozenset({MANIFEST_FILENAME, ".metadata", LIGHTNING_METADATA_FILENAME})
 
 
 def _inspect(fs: Any, path: str, sizes: Mapping[str, int]) -> tuple[str | None, int | None]:
@@ -404,7 +407,7 @@ class _IndexUnpickler(pickle.Unpickler):
 def read_metadata(url: str, *, weights_only: bool | None = None) -> dict[str, Any]:
     """The non-tensor part of Lightning's checkpoint at ``url``."""
     fs, path = url_to_fs(url)
-    with fs.open(posixpath.join(path, _METADATA_FILENAME), "rb") as file:
+    with fs.open(posixpath.join(path, LIGHTNING_METADATA_FILENAME), "rb") as file:
         return torch.load(file, weights_only=weights_only)
 
 

@@ -281,7 +281,7 @@ class ParallelStrategy(ModelParallelStrategy):
         # checked against the world size, long before any process starts or any memory is allocated. The planner
         # needs the model, which the Trainer does not have yet.
         if isinstance(self.cluster_environment, TorchElasticEnvironment):
-            self.num_nodes = nodes_started_by_torchrun(self.num_nodes)
+            self.num_nodes = nodes_started_by_torchrun(self.num_nodes, report=rank_zero_info)
         if not self._planner_picks_sizes:
             self._layout = self._resolve_layout(*self._world_size_to_come)
         if self._config.cpu_offload and self.root_device.type == "cpu":

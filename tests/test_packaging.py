@@ -51,3 +51,48 @@ def test_wheel_exposes_only_lightdist(tmp_path: Path) -> None:
     run = _python(CHECK_IMPORTS, cwd=tmp_path, pythonpath=str(site))
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == str(site / "lightdist" / "__init__.py")
+
+
+CORE_WITHOUT_LIGHTNING = """
+import sys
+import lightdist.parallelize, lightdist.storage
+assert not any(name.split(".")[0] == "lightning" for name in sys.modules), "the core loaded Lightning"
+"""
+
+NAMES_WITH_LIGHTNING_AFTER = """
+import lightdist
+from lightning.pytorch import Trainer
+trainer = Trainer(strategy="lightdist_3d", accelerator="cpu", devices=4, logger=False)
+assert type(trainer.strategy) is lightdist.ParallelStrategy, trainer.strategy
+"""
+
+NAMES_WITH_LIGHTNING_BEFORE = """
+import lightning
+import lightdist
+from lightning.pytorch.strategies import StrategyRegistry
+assert "lightdist_zero2" in StrategyRegistry
+"""
+
+
+IMPORT_ORDERS = {
+    "core": CORE_WITHOUT_LIGHTNING,
+    "lightning_after": NAMES_WITH_LIGHTNING_AFTER,
+    "lightning_before": NAMES_WITH_LIGHTNING_BEFORE,
+}
+
+
+@pytest.mark.parametrize("code", IMPORT_ORDERS.values(), ids=IMPORT_ORDERS.keys())
+def test_the_core_imports_without_lightning_and_the_strategy_names_reach_lightning_either_way(
+    code: str, tmp_path: Path
+) -> None:
+    run = _python(code, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_the_checkpoint_metadata_file_is_where_lightning_keeps_it() -> None:
+    """Pins the one private name of Lightning's the storage layer copies, so an upgrade that moves it fails here."""
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+    from lightdist.storage import LIGHTNING_METADATA_FILENAME
+
+    assert LIGHTNING_METADATA_FILENAME == _METADATA_FILENAME
