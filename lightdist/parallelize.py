@@ -71,6 +71,11 @@ class ParallelConfig:
         """Stages each pipeline rank holds: one under GPipe and 1F1B, else ``virtual_stages`` (default 2)."""
         return virtual_stages_of(self.pipeline_schedule, self.virtual_stages)
 
+    def microbatches_run(self, pp: int) -> int:
+        """The microbatches each data-parallel rank's batch is cut into under ``pp`` pipeline stages: by default one a
+        stage."""
+        return self.microbatches or pp
+
     def zero_stage_run(self, pp: int) -> ZeroStage:
         """The ZeRO stage that runs: under a pipeline at most 2, since the schedules gather a stage's parameters once
         per step rather than once per microbatch (torchtitan's policy), and resharding after each forward gives the
@@ -112,8 +117,9 @@ def parallelize(
     model with no block list (or with ``pipeline_tracer``). ``report``: where the lines that say what was chosen go.
     """
     root = model if root is None else root
-    if _split_already(model):
-        return _keep_user_split(model, mesh, config, root, report)
+    sharded_by_user = any(isinstance(m, FSDPModule) for m in model.modules())
+    if sharded_by_user or any(isinstance(p, DTensor) for p in model.parameters()):
+        return _keep_user_split(model, mesh, config, root, sharded_by_user, report)
     pp, tp = mesh["pp"].size(), mesh["tp"].size()
     if config.zero_stage_run(pp) != config.zero_stage:
         report(
@@ -163,18 +169,17 @@ def parallelize(
     return result
 
 
-def _split_already(model: nn.Module) -> bool:
-    """Whether the model came split already: DTensor parameters, or FSDP units."""
-    return any(isinstance(p, DTensor) for p in model.parameters()) or any(
-        isinstance(m, FSDPModule) for m in model.modules()
-    )
-
-
 def _keep_user_split(
-    model: nn.Module, mesh: DeviceMesh, config: ParallelConfig, root: nn.Module, report: Callable[[str], Any]
+    model: nn.Module,
+    mesh: DeviceMesh,
+    config: ParallelConfig,
+    root: nn.Module,
+    sharded: bool,
+    report: Callable[[str], Any],
 ) -> Parallelized:
-    """Keep the split a ``configure_model`` written for Lightning's ``ModelParallelStrategy`` made, on this mesh;
-    shard over the data-parallel ranks only where it did not."""
+    """Keep the split (DTensor parameters, and FSDP units where ``sharded``) that a ``configure_model`` written for
+    Lightning's ``ModelParallelStrategy`` made, on this mesh; shard over the data-parallel ranks only where it did
+    not."""
     name = type(model).__name__
     if mesh["pp"].size() > 1:
         raise ValueError(
@@ -182,7 +187,6 @@ def _keep_user_split(
             f"pipeline_parallel_size={mesh['pp'].size()} cuts stages from the model as written. Let lightdist split "
             "it (drop the split from configure_model; tensor_parallel_size does it), or set pipeline_parallel_size=1."
         )
-    sharded = any(isinstance(m, FSDPModule) for m in model.modules())
     if sharded:
         kept = "its tensor-parallel split and its data-parallel sharding"
     else:
@@ -237,7 +241,7 @@ def _parallelize_traced(
         stage_count=count,
         model_paths=[""],
         tied=tied,
-        traced_input=TracedInput(model.forward, example, config.microbatches or pp),
+        traced_input=TracedInput(model.forward, example, config.microbatches_run(pp)),
     )
 
 

@@ -80,8 +80,8 @@ class ShardedCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: _PATH, map_location: Any = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Lightning's checkpoint at ``path`` (or at the checkpoint a pointer names) without its tensors, which
-        ``load_training_state`` loads in place."""
+        """Lightning's checkpoint at ``path`` (or at the checkpoint a pointer names) without its tensors; a run that
+        resumes loads them in place with ``load_training_state``, which returns this too."""
         self.wait()
         return read_metadata(resolve(str(path)), weights_only=weights_only)
 
@@ -93,10 +93,12 @@ class ShardedCheckpointIO(CheckpointIO):
         *,
         strict: bool = True,
         tied_names: dict[str, str] | None = None,
-    ) -> None:
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
         """Load ``module``'s and ``optimizers``' shards from the checkpoint at ``path``, however the run that saved
-        it was split. ``tied_names``: a weight this rank holds under another name than the whole model keeps it
-        (a head tied to the embedding, on the last pipeline stage) mapped to the whole model's name."""
+        it was split, and return the rest of Lightning's checkpoint. ``tied_names``: a weight this rank holds under
+        another name than the whole model keeps it (a head tied to the embedding, on the last pipeline stage) mapped
+        to the whole model's name."""
         self.wait()
         url = resolve(str(path))
         model_state = {"state_dict": get_model_state_dict(module)}
@@ -121,6 +123,7 @@ class ShardedCheckpointIO(CheckpointIO):
             # Not strict: a ZeRO-1 rank holds state only for the parameters it owns, and dcp.load has already
             # checked that the checkpoint has every state this rank asked for.
             set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=StateDictOptions(strict=False))
+        return read_metadata(url, weights_only=weights_only)
 
     @override
     def remove_checkpoint(self, path: _PATH) -> None:

@@ -379,7 +379,7 @@ def pipeline_step_over(
         module,
         stages,
         SCHEDULES[config.pipeline_schedule].runner,
-        config.microbatches or mesh["pp"].size(),
+        config.microbatches_run(mesh["pp"].size()),
         callable_as_model=parallelized.model_paths,
         sequence_shards=mesh["tp"].size() if config.sequence_parallel else 1,
         tied=tied_gradients(module, parallelized.tied, mesh, timeout),

@@ -37,14 +37,9 @@ from lightdist.heartbeat import Heartbeat, describe_ranks, failed_collective
 from lightdist.layout import MESH_DIM_NAMES, ParallelLayout
 from lightdist.loss_parallel import vocab_parallel_cross_entropy
 from lightdist.parallelize import ParallelConfig, Parallelized, parallelize
-from lightdist.pipeline.schedules import (
-    PipelineSchedule,
-    check_microbatch_rounds,
-)
+from lightdist.pipeline.schedules import PipelineSchedule, check_microbatch_rounds
 from lightdist.pipeline.structural import grad_norm_across_stages
-from lightdist.pipeline.traced import (
-    share_model_buffers,
-)
+from lightdist.pipeline.traced import share_model_buffers
 from lightdist.planner import GiB
 from lightdist.plugins.auto_layout import planned_layout
 from lightdist.plugins.checkpoint_io import ShardedCheckpointIO
@@ -223,7 +218,6 @@ class ParallelStrategy(ModelParallelStrategy):
         self._failed_saves_reported = 0
         self._rng_state_to_restore: dict[str, Any] | None = None
         self._layout: ParallelLayout | None = None
-        self._parallel_root: _ParallelRoot | None = None
         self._parallelized: Parallelized | None = None
 
     @property
@@ -401,11 +395,11 @@ class ParallelStrategy(ModelParallelStrategy):
             "zero_stage": config.zero_stage_run(pp),
             "pipeline_schedule": config.pipeline_schedule if pp > 1 else None,
             "virtual_stages": config.stages_per_pipeline_rank if pp > 1 else None,
-            "microbatches": (config.microbatches or pp) if pp > 1 else None,
+            "microbatches": config.microbatches_run(pp) if pp > 1 else None,
             "sequence_parallel": config.sequence_parallel and tp > 1,
             "loss_parallel": config.loss_parallel and tp > 1,
             "activation_checkpointing": config.activation_checkpointing,
-            "cpu_offload": self._config.cpu_offload,
+            "cpu_offload": config.cpu_offload,
             "non_finite": self._non_finite,
             "precision": self.precision_plugin.precision,
         }
@@ -616,10 +610,14 @@ class ParallelStrategy(ModelParallelStrategy):
         names, from a path or any fsspec URL, or from a pointer to one."""
         url = self.broadcast(str(checkpoint_path))
         module = self.lightning_module
-        self.checkpoint_io.load_training_state(
-            url, module, self.optimizers, strict=module.strict_loading, tied_names=self._tied_names_on_last_stage()
+        checkpoint = self.checkpoint_io.load_training_state(
+            url,
+            module,
+            self.optimizers,
+            strict=module.strict_loading,
+            tied_names=self._tied_names_on_last_stage(),
+            weights_only=weights_only,
         )
-        checkpoint = self.checkpoint_io.load_checkpoint(url, weights_only=weights_only)
         self._rng_state_to_restore = take_rank_state(
             checkpoint, rank=self.global_rank, world_size=self.world_size, data_parallel=self._data_parallel
         )
@@ -707,29 +705,28 @@ class ParallelStrategy(ModelParallelStrategy):
     def _parallelize(self, module: pl.LightningModule) -> _ParallelRoot:
         """Split the LightningModule over the mesh (``lightdist.parallelize``), once per module; under a pipeline, run
         its steps through the schedule."""
-        if self._parallel_root is not None and self._parallel_root.module is module:
-            return self._parallel_root
+        if self._parallelized is not None and self._parallelized.model.module is module:
+            return self._parallelized.model
         if not any(True for _ in module.parameters()):
             raise ValueError(
                 f"{type(module).__name__} has no parameters to train. Create its layers in `__init__` or "
                 "`configure_model` before calling the Trainer."
             )
-        root = _ParallelRoot(module)
         config = dataclasses.replace(self._config, param_dtype=self._mixed_precision_compute_dtype())
-        self._parallelized = parallelize(
+        parallelized = parallelize(
             module,
             self.device_mesh,
             config,
-            root=root,
-            example_call=lambda: example_model_call(module, self._config.microbatches or self.layout.pp),
+            root=_ParallelRoot(module),
+            example_call=lambda: example_model_call(module, config.microbatches_run(self.layout.pp)),
             report=rank_zero_info,
         )
-        if self._parallelized.stages:
+        if parallelized.stages:
             self._pipeline_step = pipeline_step_over(
-                module, self._parallelized, self.device_mesh, self._config, self.root_device, self._timeout
+                module, parallelized, self.device_mesh, config, self.root_device, self._timeout
             )
-        self._parallel_root = root
-        return root
+        self._parallelized = parallelized
+        return parallelized.model
 
     def _clip_grad_norm_across_stages(self, optimizer: Optimizer, clip_val: float) -> None:
         parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
