@@ -12,8 +12,9 @@ from typing import Literal
 
 import torch
 from torch import nn
-from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from lightdist.torch_internals import ATTENTION_OPS, checkpoint_module
 
 __all__ = ["ActivationCheckpointing", "apply_activation_checkpointing"]
 
@@ -25,10 +26,7 @@ _SAVE_OUTPUTS_OF = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    *ATTENTION_OPS,
 }
 
 
@@ -46,4 +44,4 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module], *, mode: Activat
     else:
         raise ValueError(f"activation_checkpointing={mode!r} is not one of None, 'full', 'selective'.")
     for block in blocks:
-        checkpoint(block, context_fn=context_fn)
+        checkpoint_module(block, context_fn=context_fn)

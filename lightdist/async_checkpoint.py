@@ -23,13 +23,13 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
 # Not re-exported by torch.distributed.checkpoint (torch 2.13), but the writer DCP documents for fsspec.
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.tensor import DTensor
 
 from lightdist.storage import commit, is_complete, remove, write_pointer
+from lightdist.torch_internals import FsspecWriter
 
 __all__ = ["WRITER_THREADS", "AsyncMode", "CheckpointSaver", "buffers_copied"]
 

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightdist.structure import DecoderStack, is_projection, out_features
+from lightdist.torch_internals import tree_leaves
 
 __all__ = ["run_first_block", "trace_block_plan"]
 

@@ -9,15 +9,19 @@ alive, and where its main thread is says what it is stuck in.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import threading
 import time
+from datetime import timedelta
 from types import FrameType
 
 from torch.distributed import DistBackendError, Store
 
-__all__ = ["Heartbeat", "describe_ranks", "failed_collective"]
+from lightdist.torch_internals import default_store
+
+__all__ = ["Heartbeat", "describe_ranks", "failed_collective", "name_the_silent_rank"]
 
 _KEY = "lightdist/heartbeat/{rank}"
 
@@ -31,6 +35,16 @@ class Heartbeat:
         self._stopped = threading.Event()
         self._main_thread = threading.main_thread().ident
         self._thread = threading.Thread(target=self._beat, name=f"lightdist-heartbeat-{rank}", daemon=True)
+
+    @classmethod
+    def started(cls, rank: int, world_size: int, timeout: timedelta) -> Heartbeat | None:
+        """This rank's heartbeat, beating into the default process group's store often enough to be read within a
+        quarter of ``timeout``; ``None`` for a single process, which has no one to wait on."""
+        if world_size < 2:
+            return None
+        heartbeat = cls(default_store(), rank, min(10.0, timeout.total_seconds() / 4))
+        heartbeat.start()
+        return heartbeat
 
     def start(self) -> None:
         self._write()  # before any collective: a rank that never beat never started
@@ -103,3 +117,16 @@ def failed_collective(exception: BaseException) -> bool:
     return isinstance(exception, DistBackendError) or (
         isinstance(exception, RuntimeError) and "timed out" in str(exception).lower()
     )
+
+
+def name_the_silent_rank(exception: BaseException, heartbeat: Heartbeat | None, world_size: int) -> None:
+    """Add every rank's last heartbeat to ``exception`` when a collective failed: the error itself names no rank."""
+    if heartbeat is None or not failed_collective(exception):
+        return
+    report = "lightdist: the ranks' last heartbeats:\n" + describe_ranks(
+        heartbeat.store, world_size, heartbeat.interval_s
+    )
+    if hasattr(exception, "add_note"):  # Python 3.11+: printed under the error
+        exception.add_note(report)
+    else:
+        logging.getLogger(__name__).error(report)

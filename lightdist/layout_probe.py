@@ -30,7 +30,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.utils._pytree import tree_leaves, tree_map
 
 from lightdist.dataflow import run_first_block
 from lightdist.structure import DecoderStack, within
@@ -43,6 +42,7 @@ from lightdist.tensor_parallel import (
     parallel_styles,
     prepare_units,
 )
+from lightdist.torch_internals import tree_leaves, tree_map
 
 __all__ = ["probe_layouts"]
 

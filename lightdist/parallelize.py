@@ -1,24 +1,26 @@
 """``parallelize``: a model split over a ``("pp", "dp", "tp")`` DeviceMesh, in one visible order.
 
-Cut pipeline stages, then tensor parallelism, then activation checkpointing, then ZeRO/FSDP: torchtitan's order, each
-step a call into its own module. Nothing here knows Lightning: ``ParallelStrategy`` calls it with the LightningModule,
-and a plain training loop can call it with any ``nn.Module`` (``examples/plain_loop.py``).
+Cut pipeline stages, then tensor parallelism, then activation checkpointing, then ``torch.compile``, then ZeRO/FSDP:
+torchtitan's order, each step a call into its own module. Nothing here knows Lightning: ``ParallelStrategy`` calls it
+with the LightningModule, and a plain training loop can call it with any ``nn.Module`` (``examples/plain_loop.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from lightdist.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
+from lightdist.layout import ParallelLayout
 from lightdist.layout_probe import probe_layouts
 from lightdist.pipeline.schedules import PipelineSchedule, check_schedule, stages_of_rank, virtual_stages_of
 from lightdist.pipeline.structural import StageModel, keep_stages, stage_sizes
@@ -28,12 +30,49 @@ from lightdist.sharding import ZeroStage, apply_data_parallel
 from lightdist.structure import DecoderStack, find_decoder_stack, find_repeated_blocks
 from lightdist.tensor_parallel import TensorParallelStyle, apply_tensor_parallel, discover_plan
 
-__all__ = ["ParallelConfig", "Parallelized", "parallelize"]
+__all__ = ["ModelHolder", "ParallelConfig", "Parallelized", "parallelize"]
+
+_MIXED_PRECISION_COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How a model is split, besides the mesh's sizes: ``ParallelStrategy``'s options of the same names."""
+    """How a model is split, besides the mesh's sizes; ``ParallelStrategy`` takes these options by the same names.
+
+    Args:
+        zero_stage: What data-parallel ranks shard: 0 nothing (DDP), 1 optimizer state, 2 also gradients,
+            3 also parameters.
+        pipeline_schedule: The schedule that runs microbatches through the pipeline stages: ``"gpipe"`` (all
+            forwards, then all backwards), ``"1f1b"`` (at most ``pipeline_parallel_size`` microbatches in flight),
+            ``"interleaved_1f1b"`` (each rank holds ``virtual_stages`` stages, which shrinks the bubble that many
+            times), ``"zero_bubble"`` (interleaved, with each backward split into its input and weight halves so the
+            weight halves fill the bubble). ``"zbv"`` is refused: torch's V-shaped schedules cannot run forward-only,
+            so validation and predict would fail.
+        virtual_stages: Stages each pipeline rank holds under the interleaved and zero-bubble schedules (default 2);
+            stage ``s`` lives on rank ``s % pipeline_parallel_size``.
+        microbatches: Microbatches each data-parallel rank's batch is cut into under a pipeline (default:
+            ``pipeline_parallel_size``); more shrink the pipeline's idle bubble.
+        pipeline_split: Decoder blocks per pipeline stage, e.g. ``(7, 9)`` (``pipeline_parallel_size *
+            virtual_stages`` entries); default: balanced by parameter count, counting the embeddings on the first
+            stage and the norm and LM head on the last.
+        pipeline_tracer: Cut pipeline stages with torch's tracer (``torch.distributed.pipelining.pipeline``) even
+            where the blocks are in one ``nn.ModuleList``: for blocks that hand on more than one stream
+            (``x, residual = block(x, residual)``) or take the hidden states by keyword. Models without a block
+            ``ModuleList`` are traced anyway. Traced stages take one microbatch shape, and do not combine with tensor
+            parallelism.
+        activation_checkpointing: Recompute each block's activations in backward: ``"full"``, ``"selective"``
+            (keep matmul and attention outputs) or ``None``.
+        sequence_parallel: Under tensor parallelism, split activations between blocks along the sequence, so norms
+            run on each rank's share (Megatron's sequence parallelism).
+        loss_parallel: Under tensor parallelism, keep the logits split by vocabulary and compute
+            ``F.cross_entropy`` from each rank's share, never gathering them. The logits reach the caller as a
+            DTensor; ``F.cross_entropy`` on them (within torch's ``loss_parallel()``) returns a plain tensor.
+        cpu_offload: Keep sharded parameters, gradients and optimizer state in CPU memory (ZeRO-2/3).
+        tp_plan: Module-name patterns mapped to a tensor-parallel style, overriding the discovered plan.
+        compile: Compile each block with ``torch.compile`` once split, before ZeRO wraps it, so that FSDP's hooks stay
+            outside the compiled graphs (torchtitan's per-block compile). Not with ``activation_checkpointing``.
+        param_dtype: The compute dtype of mixed precision, which ZeRO gathers parameters in.
+    """
 
     zero_stage: ZeroStage = 3
     pipeline_schedule: PipelineSchedule = "1f1b"
@@ -46,7 +85,8 @@ class ParallelConfig:
     loss_parallel: bool = False
     cpu_offload: bool = False
     tp_plan: Mapping[str, TensorParallelStyle] | None = None
-    param_dtype: torch.dtype | None = None  # the compute dtype of mixed precision
+    compile: bool = False
+    param_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         """Refuse what cannot run, when the options are given: before any process or tensor exists."""
@@ -59,6 +99,12 @@ class ParallelConfig:
         if self.activation_checkpointing not in (None, "full", "selective"):
             raise ValueError(
                 f"activation_checkpointing={self.activation_checkpointing!r} is not one of None, 'full', 'selective'."
+            )
+        if self.compile and self.activation_checkpointing is not None:
+            raise ValueError(
+                f"compile=True with activation_checkpointing={self.activation_checkpointing!r} is not supported: "
+                "the recompute of a compiled block does not see the tensors its forward saved (measured on Hugging "
+                "Face Llama blocks, torch 2.13). Choose one: compile=False, or activation_checkpointing=None."
             )
         if self.cpu_offload and self.zero_stage < 2:
             raise ValueError(
@@ -82,6 +128,31 @@ class ParallelConfig:
         zero-bubble schedules wrong weight gradients."""
         return min(self.zero_stage, 2) if pp > 1 else self.zero_stage
 
+    def with_precision(self, precision: str) -> ParallelConfig:
+        """This config with the compute dtype of Lightning's ``precision`` flag, in which ZeRO gathers parameters:
+        bf16 or fp16 under mixed precision, the parameters' own otherwise."""
+        return dataclasses.replace(self, param_dtype=_MIXED_PRECISION_COMPUTE_DTYPES.get(precision))
+
+    def as_run(self, layout: ParallelLayout) -> dict[str, Any]:
+        """The layout and the options as they run on ``layout``, for a run's loggers: runs compared side by side must
+        say how each was split."""
+        pp, tp = layout.pp, layout.tp
+        return {
+            "world_size": layout.world_size,
+            "pipeline_parallel_size": pp,
+            "data_parallel_size": layout.dp,
+            "tensor_parallel_size": tp,
+            "zero_stage": self.zero_stage_run(pp),
+            "pipeline_schedule": self.pipeline_schedule if pp > 1 else None,
+            "virtual_stages": self.stages_per_pipeline_rank if pp > 1 else None,
+            "microbatches": self.microbatches_run(pp) if pp > 1 else None,
+            "sequence_parallel": self.sequence_parallel and tp > 1,
+            "loss_parallel": self.loss_parallel and tp > 1,
+            "activation_checkpointing": self.activation_checkpointing,
+            "cpu_offload": self.cpu_offload,
+            "compile": self.compile,
+        }
+
 
 @dataclass
 class Parallelized:
@@ -100,6 +171,24 @@ class Parallelized:
     # Whether the model came sharded already (a ``configure_model`` written for Lightning's ModelParallelStrategy).
     sharded_by_user: bool = False
 
+    def tied_heads_on(self, pp_rank: int, pp: int) -> dict[str, str]:
+        """On the last pipeline rank, the head's name of each weight tied across the pipeline's ends, mapped to the
+        embedding's name, which checkpoints save it under."""
+        return {head: embedding for embedding, head in self.tied} if pp > 1 and pp_rank == pp - 1 else {}
+
+
+class ModelHolder(nn.Module):
+    """Holds the model and runs in its place, so that the outermost FSDP unit's hooks run around whatever the
+    caller runs inside its ``forward``: Lightning calls the user's ``training_step`` through it ("forward
+    redirection"), so parameters are gathered and gradients reduced whatever the step calls."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
 
 def parallelize(
     model: nn.Module,
@@ -116,6 +205,11 @@ def parallelize(
     ``example_call``: one microbatch's (args, kwargs) of the model call, for torch's tracer, which only cuts stages of a
     model with no block list (or with ``pipeline_tracer``). ``report``: where the lines that say what was chosen go.
     """
+    if not any(True for _ in model.parameters()):
+        raise ValueError(
+            f"{type(model).__name__} has no parameters to train. Create its layers before it is split: in a "
+            "LightningModule, in `__init__` or `configure_model`."
+        )
     root = model if root is None else root
     sharded_by_user = any(isinstance(m, FSDPModule) for m in model.modules())
     if sharded_by_user or any(isinstance(p, DTensor) for p in model.parameters()):
@@ -137,7 +231,7 @@ def parallelize(
         if pp > 1:
             return _parallelize_traced(model, mesh, config, root, block_names, example_call, report)
         blocks = [model.get_submodule(name) for name in block_names]
-        _checkpoint_activations(blocks, config)
+        _recompute_and_compile(blocks, config)
         _shard(root, blocks, mesh, config, config.zero_stage)
         return Parallelized(root)
     if config.pipeline_tracer and pp > 1:
@@ -160,7 +254,7 @@ def parallelize(
             sequence_parallel=config.sequence_parallel,
             loss_parallel=config.loss_parallel,
         )
-    _checkpoint_activations(stack.blocks, config)
+    _recompute_and_compile(stack.blocks, config)
     if not result.stages:
         _shard(root, stack.blocks, mesh, config, config.zero_stage)
     for stage in result.stages:
@@ -231,7 +325,7 @@ def _parallelize_traced(
     drop_other_stages(model, stages)
     for stage in stages:
         blocks = [stage.get_submodule(name) for name in block_names if _has_submodule(stage, name)]
-        _checkpoint_activations(blocks, config)
+        _recompute_and_compile(blocks, config)
         _shard(stage, blocks, mesh, config, config.zero_stage_run(pp))
     adopt_parameters(model, stages)
     return Parallelized(
@@ -258,7 +352,7 @@ def _cut_pipeline_stages(
     blocks = list(stack.blocks)
     kept = {block for r in ranges.values() for block in r}
     stack = keep_stages(model, stack, kept, first=0 in indices, last=count - 1 in indices)
-    as_stream = _identity
+    as_stream = None
     if mesh["tp"].size() > 1 and config.sequence_parallel:
         as_stream = partial(DTensor.from_local, device_mesh=mesh["tp"], placements=[Shard(1)], run_check=False)
     stages = [
@@ -297,9 +391,14 @@ def _blocks_per_stage(
     return sizes
 
 
-def _checkpoint_activations(blocks: Iterable[nn.Module], config: ParallelConfig) -> None:
+def _recompute_and_compile(blocks: Iterable[nn.Module], config: ParallelConfig) -> None:
+    """Activation checkpointing or ``torch.compile`` (``ParallelConfig`` refuses both), block by block."""
+    blocks = list(blocks)
     if config.activation_checkpointing is not None:
         apply_activation_checkpointing(blocks, mode=config.activation_checkpointing)
+    if config.compile:
+        for block in blocks:
+            block.compile()
 
 
 def _shard(
@@ -330,7 +429,3 @@ def _device_of(mesh: DeviceMesh) -> torch.device:
         if mesh.device_type == "cuda"
         else torch.device(mesh.device_type)
     )
-
-
-def _identity(x: Tensor) -> Tensor:
-    return x

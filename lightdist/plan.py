@@ -22,7 +22,6 @@ import torch.distributed as dist
 import yaml
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightdist.layout_probe import probe_layouts
 from lightdist.pipeline.schedules import stages_of_rank, virtual_stages_of
@@ -30,6 +29,7 @@ from lightdist.pipeline.structural import stage_costs, stage_sizes
 from lightdist.planner import Cluster, Estimate, GiB, ModelShape, Training, plan_layouts, tensor_parallel_shape
 from lightdist.structure import DecoderStack, find_decoder_stack
 from lightdist.tensor_parallel import TensorParallelStyle, check_divisible, discover_plan, replicated_key_values
+from lightdist.torch_internals import FakeStore
 
 __all__ = ["format_layouts", "format_plan", "format_stages", "main"]
 

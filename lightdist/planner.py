@@ -24,13 +24,13 @@ from typing import Literal
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 
 from lightdist.pipeline.structural import balanced_split, stage_costs
 from lightdist.structure import find_decoder_stack
 from lightdist.tensor_parallel import TensorParallelStyle, check_divisible, discover_plan, replicated_key_values
 from lightdist.throughput import DecoderFlops
+from lightdist.torch_internals import FakeTensorMode, storage_key
 
 __all__ = [
     "Cluster",
@@ -199,10 +199,10 @@ class ModelShape:
         current: list[int | None] = [None]
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            if current[0] is not None and storage._cdata not in saved:
-                saved[storage._cdata] = storage.nbytes()
-                block_of_storage[storage._cdata] = current[0]
+            key = storage_key(tensor)
+            if current[0] is not None and key not in saved:
+                saved[key] = tensor.untyped_storage().nbytes()
+                block_of_storage[key] = current[0]
             return tensor
 
         hooks = []
@@ -219,7 +219,7 @@ class ModelShape:
                     name: torch.empty(b.shape, dtype=torch.float32 if b.is_floating_point() else b.dtype)
                     for name, b in self.model.named_buffers()
                 }
-                saved.update((t.untyped_storage()._cdata, 0) for t in state.values())  # weights are not activations
+                saved.update((storage_key(t), 0) for t in state.values())  # weights are not activations
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                     functional_call(self.model, state, (torch.zeros(1, tokens, dtype=torch.long),))
         except (RuntimeError, TypeError) as error:  # fake tensors' errors are RuntimeErrors

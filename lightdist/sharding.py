@@ -22,11 +22,12 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+
+from lightdist.torch_internals import replicate
 
 __all__ = ["ShardedOptimizer", "ZeroStage", "apply_data_parallel"]
 

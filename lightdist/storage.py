@@ -40,8 +40,9 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 # Not re-exported by torch.distributed.checkpoint (torch 2.13), but the writer and reader DCP documents for fsspec.
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+from lightdist.torch_internals import FsspecReader
 
 __all__ = [
     "LIGHTNING_METADATA_FILENAME",

@@ -22,7 +22,6 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from functools import partial
 from typing import Literal
 
 import torch
@@ -38,15 +37,14 @@ from torch.distributed.tensor import (
     distribute_module,
     distribute_tensor,
 )
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._pytree import tree_map
 
 from lightdist.dataflow import trace_block_plan
 from lightdist.pipeline.tied import tied_names
 from lightdist.structure import DecoderStack, in_features, is_conv1d, is_projection, out_features, within
+from lightdist.torch_internals import compute_local_shape_and_global_offset, declared_tp_plan, style_io_hooks, tree_map
 
 __all__ = [
     "BLOCK_RULES",
@@ -249,8 +247,7 @@ def _distribute_conv1d(
         module,
         device_mesh,
         partition,
-        partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
-        partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
+        *style_io_hooks(style),
     )
 
 
@@ -738,7 +735,7 @@ def _hugging_face_plan(model: nn.Module) -> dict[str, TensorParallelStyle] | Non
     """The plan a Hugging Face model carries, in lightdist's styles and full module names; ``None`` where it has none,
     or one with styles lightdist does not apply (Phi-3's ``rowwise_split_input``): its own discovery serves then."""
     for name, module in model.named_modules():
-        own = getattr(module, "_tp_plan", None)
+        own = declared_tp_plan(module)
         if not own:
             continue
         if any(style not in HUGGING_FACE_STYLES for style in own.values()):

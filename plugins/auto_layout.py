@@ -1,28 +1,99 @@
-"""``"auto"`` sizes: the planner picks the pipeline, data and tensor parallel sizes for the model and batch at hand.
+"""The layout a run trains under: the sizes given, or for ``"auto"`` sizes the planner's pick for the model and batch.
 
-Picked once the processes have started and before any parameter is split, from the model's own shapes (a model built
-in ``configure_model`` is built early, on the meta device), the batch it will be given, and the memory of the devices.
-Where the planner would be wrong the user still decides: any size given as a number is kept.
+Given sizes are checked against the world size as soon as the Trainer knows its devices, before any process starts.
+``"auto"`` sizes are picked once the processes have started and before any parameter is split, from the model's own
+shapes (a model built in ``configure_model`` is built early, on the meta device), the batch it will be given, and the
+memory of the devices. Where the planner would be wrong the user still decides: any size given as a number is kept.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
-from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 
 from lightdist.layout import ParallelLayout
 from lightdist.parallelize import ParallelConfig
+from lightdist.pipeline.schedules import check_microbatch_rounds
 from lightdist.planner import Cluster, Estimate, GiB, ModelShape, choose_layout
+from lightdist.plugins.lightning_internals import call_configure_model
 from lightdist.throughput import device_peak_flops
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["device_memory_gib", "planned_layout"]
+__all__ = ["LayoutRequest", "device_memory_gib", "planned_layout"]
+
+
+@dataclass(frozen=True)
+class LayoutRequest:
+    """The parallel sizes as the user gave them: numbers, ``"auto"`` (the planner picks), or for tensor parallelism
+    ``"node"`` (one node's devices: it needs the fastest links)."""
+
+    dp: int | Literal["auto"]
+    tp: int | Literal["auto", "node"]
+    pp: int | Literal["auto"]
+
+    def __post_init__(self) -> None:
+        for name, size, words in (
+            ("data_parallel_size", self.dp, ("auto",)),
+            ("tensor_parallel_size", self.tp, ("auto", "node")),
+            ("pipeline_parallel_size", self.pp, ("auto",)),
+        ):
+            if size not in words and (not isinstance(size, int) or size < 1):
+                raise ValueError(f"{name}={size!r} must be a positive integer or {' or '.join(map(repr, words))}.")
+
+    @property
+    def planned(self) -> bool:
+        """Whether the planner picks the sizes, which needs the model: once the processes have started."""
+        return "auto" in (self.tp, self.pp)
+
+    def resolve(self, world_size: int, world_from: str, devices_per_node: int) -> ParallelLayout:
+        """The layout of given sizes on ``world_size`` ranks (which ``world_from`` sets), ``dp="auto"`` filled in."""
+        return ParallelLayout.resolve(
+            world_size,
+            data_parallel_size=self.dp,
+            tensor_parallel_size=self._tp(devices_per_node),
+            pipeline_parallel_size=self.pp,
+            world_from=world_from,
+        )
+
+    def plan(
+        self,
+        module: pl.LightningModule,
+        *,
+        world_size: int,
+        devices_per_node: int,
+        device: torch.device,
+        config: ParallelConfig,
+    ) -> tuple[ParallelLayout, str]:
+        """The planner's layout for ``module``, the given sizes held, and the line that says why it was chosen."""
+
+        def given(size: int | str) -> int | None:
+            return None if size == "auto" else size
+
+        layout, choice = planned_layout(
+            module,
+            world_size=world_size,
+            devices_per_node=devices_per_node,
+            device=device,
+            pp=given(self.pp),
+            dp=given(self.dp),
+            tp=given(self._tp(devices_per_node)),
+            config=config,
+        )
+        check_microbatch_rounds(config.pipeline_schedule, config.microbatches, layout.pp)
+        return layout, (
+            f"lightdist: the planner chose {layout} for the 'auto' sizes: about {choice.total / GiB:.2f} GiB per "
+            f"device, the most tokens per second of the layouts that fit (`lightdist plan --gpus {world_size}` "
+            "explains the estimate)."
+        )
+
+    def _tp(self, devices_per_node: int) -> int | Literal["auto"]:
+        return devices_per_node if self.tp == "node" else self.tp
 
 
 def planned_layout(
@@ -42,7 +113,7 @@ def planned_layout(
         # Lightning asks the hook to be idempotent: its own call finds the layers built, on the meta device, and the
         # strategy materializes them once split, as after `trainer.init_module(empty_init=True)`.
         with torch.device("meta"):
-            call._call_configure_model(module.trainer)
+            call_configure_model(module.trainer)
     seq_len, batch_size = (_batch_dimension(module, name) for name in ("seq_len", "batch_size"))
     peak = device_peak_flops(device)
     cluster = Cluster(

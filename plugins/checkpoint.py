@@ -8,6 +8,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from fsspec.core import url_to_fs
 from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckpoint
 from torch import Tensor
 from typing_extensions import override
@@ -96,7 +97,8 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         there = False
         if trainer.is_global_zero:
             try:
-                there = self._fs.isfile(filepath) or is_complete(filepath)
+                fs, path = url_to_fs(filepath)
+                there = fs.isfile(path) or is_complete(filepath)
             except Exception as error:
                 log.warning("lightdist: could not look for a checkpoint at %s: %s", filepath, error)
         return trainer.strategy.reduce_boolean_decision(there, all=False)

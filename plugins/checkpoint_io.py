@@ -8,14 +8,15 @@ is either complete or ignored. Saves during ``fit`` go on behind training once s
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed as dist
+from lightning.fabric.loggers import Logger
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-from lightning.fabric.utilities.types import _PATH
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -46,11 +47,20 @@ class ShardedCheckpointIO(CheckpointIO):
         self.async_checkpoint = async_checkpoint
         self.blocked_s = 0.0
         self._saver: CheckpointSaver | None = None
+        self._failures_logged = 0
 
     @property
     def failures(self) -> list[str]:
         """What each save that failed in this process said, oldest first."""
         return self._saver.failures if self._saver is not None else []
+
+    def log_failures(self, loggers: Iterable[Logger], step: int) -> None:
+        """Log the count of failed saves to ``loggers`` when it has grown, beside the error each rank logged."""
+        failed = len(self.failures)
+        if failed > self._failures_logged:
+            self._failures_logged = failed
+            for logger in loggers:
+                logger.log_metrics({"checkpoint/failed_saves": failed}, step=step)
 
     @property
     def in_use(self) -> bool:
@@ -59,7 +69,12 @@ class ShardedCheckpointIO(CheckpointIO):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None, *, background: bool = False
+        self,
+        checkpoint: dict[str, Any],
+        path: str | os.PathLike,
+        storage_options: Any | None = None,
+        *,
+        background: bool = False,
     ) -> None:
         """Save Lightning's ``checkpoint``, whose ``state_dict`` and ``optimizer_states`` hold this rank's shards, to
         ``path`` (the same on every rank). ``background``: return once the state is staged in CPU memory; the caller
@@ -78,7 +93,7 @@ class ShardedCheckpointIO(CheckpointIO):
 
     @override
     def load_checkpoint(
-        self, path: _PATH, map_location: Any = None, weights_only: bool | None = None
+        self, path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Lightning's checkpoint at ``path`` (or at the checkpoint a pointer names) without its tensors; a run that
         resumes loads them in place with ``load_training_state``, which returns this too."""
@@ -87,7 +102,7 @@ class ShardedCheckpointIO(CheckpointIO):
 
     def load_training_state(
         self,
-        path: _PATH,
+        path: str | os.PathLike,
         module: nn.Module,
         optimizers: Iterable[Optimizer],
         *,
@@ -126,13 +141,13 @@ class ShardedCheckpointIO(CheckpointIO):
         return read_metadata(url, weights_only=weights_only)
 
     @override
-    def remove_checkpoint(self, path: _PATH) -> None:
+    def remove_checkpoint(self, path: str | os.PathLike) -> None:
         """Remove a checkpoint once every save asked for before has completed, so that retention never takes the
         last complete checkpoint. Rank 0 removes; the other ranks return."""
         if dist.get_rank() == 0:
             self._checkpoint_saver.remove(str(path))
 
-    def point(self, pointer: _PATH, checkpoint: _PATH) -> None:
+    def point(self, pointer: str | os.PathLike, checkpoint: str | os.PathLike) -> None:
         """Make the small file ``pointer`` name ``checkpoint`` once that checkpoint is complete: ``last.ckpt``."""
         if dist.get_rank() == 0:
             self._checkpoint_saver.point(str(pointer), str(checkpoint))

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -31,7 +30,12 @@ class WandbLogger(LightningWandbLogger):
     environment, decide as they do for Lightning's. Every other argument is Lightning's."""
 
     def __init__(
-        self, *, offline: bool | None = None, save_dir: _PATH = ".", log_model: bool | str = False, **kwargs: Any
+        self,
+        *,
+        offline: bool | None = None,
+        save_dir: str | os.PathLike = ".",
+        log_model: bool | str = False,
+        **kwargs: Any,
     ) -> None:
         _check_settings(kwargs.get("project"), save_dir)
         if offline is None:
@@ -46,14 +50,15 @@ class WandbLogger(LightningWandbLogger):
                 )
                 log_model = False
         super().__init__(offline=offline, save_dir=save_dir, log_model=log_model, **kwargs)
+        self._runs_offline = offline
 
     @property
     def offline(self) -> bool:
         """Whether the run logs to its directory only, to be uploaded later with ``wandb sync``."""
-        return self._offline
+        return self._runs_offline
 
 
-def _check_settings(project: str | None, save_dir: _PATH | None) -> None:
+def _check_settings(project: str | None, save_dir: str | os.PathLike | None) -> None:
     """What W&B would refuse only when the first metric is logged, after the model has taken its memory."""
     mode = os.environ.get("WANDB_MODE")
     if mode is not None and mode not in _MODES:

@@ -16,6 +16,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torchmetrics import Metric
 
+from lightdist.plugins.lightning_internals import metric_defaults, metric_forward_cache, set_metric_progress
+
 __all__ = [
     "MetricStates",
     "load_metric_states",
@@ -40,7 +42,7 @@ def refuse_metrics_on_meta(module: nn.Module) -> None:
     on_meta = [
         f"{name} ({type(metric).__name__})"
         for name, metric in metrics_of(module).items()
-        if any(value.is_meta for value in metric._defaults.values() if isinstance(value, Tensor))
+        if any(value.is_meta for value in metric_defaults(metric).values() if isinstance(value, Tensor))
     ]
     if on_meta:
         raise ValueError(
@@ -64,13 +66,13 @@ def metrics_set_aside(module: nn.Module) -> Iterator[None]:
     for name in outermost:
         owner, _, leaf = name.rpartition(".")
         parent = module.get_submodule(owner)
-        aside.append((parent, leaf, parent._modules[leaf]))
-        parent._modules[leaf] = None  # keeps its place among the children
+        aside.append((parent, leaf, getattr(parent, leaf)))
+        setattr(parent, leaf, None)  # keeps its place among the children
     try:
         yield
     finally:
         for parent, leaf, metric in aside:
-            parent._modules[leaf] = metric
+            setattr(parent, leaf, metric)
 
 
 def reduce_metrics_over(module: nn.Module, group: dist.ProcessGroup) -> None:
@@ -89,7 +91,7 @@ def metric_states(metrics: dict[str, Metric]) -> MetricStates:
         name: {
             "state": copy(metric.metric_state),
             "update_count": metric.update_count,
-            "forward_cache": copy(metric._forward_cache),  # what logging the metric on a step reports
+            "forward_cache": copy(metric_forward_cache(metric)),
         }
         for name, metric in metrics.items()
     }
@@ -105,7 +107,4 @@ def load_metric_states(metrics: dict[str, Metric], states: MetricStates) -> None
 
         for attribute, value in saved["state"].items():
             setattr(metric, attribute, to_device(value))
-        # torchmetrics has no setters for these: the count decides whether compute() warns that nothing was
-        # updated, and a computed value stays cached until the next update.
-        metric._update_count, metric._computed = saved["update_count"], None
-        metric._forward_cache = to_device(saved["forward_cache"])
+        set_metric_progress(metric, saved["update_count"], to_device(saved["forward_cache"]))

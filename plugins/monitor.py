@@ -158,7 +158,7 @@ class TrainingMonitor(Callback):
             flops_per_s = self._flops.per_token(self._seq_len) * tokens_per_s
             metrics["perf/mfu"] = flops_per_s / (self._peak_flops * trainer.world_size)
         if isinstance(strategy, ParallelStrategy):
-            metrics["checkpoint/blocked_s"] = (strategy.checkpoint_blocked_s - self._blocked_before) / steps
+            metrics["checkpoint/blocked_s"] = (strategy.checkpoint_io.blocked_s - self._blocked_before) / steps
             if strategy.layout.pp > 1:
                 (busy, scheduled), (busy_before, scheduled_before) = _pipeline_time(strategy), self._pipeline_before
                 metrics["pipeline/bubble"] = 1.0 - (busy - busy_before) / (scheduled - scheduled_before)
@@ -174,7 +174,7 @@ class TrainingMonitor(Callback):
         self._window_tokens = 0
         self._grad_norm = None
         if isinstance(strategy, ParallelStrategy):
-            self._blocked_before = strategy.checkpoint_blocked_s
+            self._blocked_before = strategy.checkpoint_io.blocked_s
             if strategy.layout.pp > 1:
                 self._pipeline_before = _pipeline_time(strategy)
 

@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -36,12 +37,18 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+from torch.optim import Optimizer
 from torchmetrics import Metric
 
 from lightdist.parallelize import ParallelConfig, Parallelized
 from lightdist.pipeline.schedules import SCHEDULES
 from lightdist.pipeline.structural import ModelCall
 from lightdist.pipeline.tied import TiedGradients, tied_gradients
+from lightdist.plugins.lightning_internals import (
+    apply_batch_transfer_handler,
+    data_source,
+    optimizer_steps_after_this_batch,
+)
 from lightdist.plugins.metric_sync import load_metric_states, metric_states, metrics_of
 
 __all__ = ["PipelineStep", "StageClock", "example_model_call", "model_call_of", "pipeline_step_over"]
@@ -154,6 +161,15 @@ def answering_model_calls(
             load_metric_states(metrics, saved_metrics)
 
 
+# The precision plugin's context for each of Lightning's steps.
+_PRECISION_CONTEXTS = {
+    "training_step": "train_step_context",
+    "validation_step": "val_step_context",
+    "test_step": "test_step_context",
+    "predict_step": "predict_step_context",
+}
+
+
 class PipelineStep:
     """Runs ``module``'s training, validation, test or predict step for one batch on this rank's pipeline stages."""
 
@@ -203,6 +219,34 @@ class PipelineStep:
         # learns the shapes of the gradients that flow between stages. That call must leave no trace.
         self._gradient_shapes_known = False
         self._learning_gradient_shapes = False
+
+    def run(self, step_name: str, batch: Any, batch_idx: int, optimizers: list[Optimizer], precision: Precision) -> Any:
+        """Lightning's ``step_name`` for one batch, in ``precision``'s context for it. A training step also does what
+        Lightning's backward would: it zeroes the gradients at the first batch of each accumulation and leaves them
+        whole before the optimizer steps (tied weights summed over the pipeline's ends)."""
+        with getattr(precision, _PRECISION_CONTEXTS[step_name])():
+            return self._run_step(step_name, batch, batch_idx, optimizers)
+
+    def _run_step(self, step_name: str, batch: Any, batch_idx: int, optimizers: list[Optimizer]) -> Any:
+        if step_name == "predict_step":
+            return self.predict(batch, batch_idx)
+        if step_name != "training_step":
+            return self(step_name, batch, batch_idx, train=False)
+        trainer = self.module.trainer
+        accumulate = trainer.accumulate_grad_batches
+        if batch_idx % accumulate == 0:
+            for optimizer in optimizers:
+                optimizer.zero_grad()
+        loss = self(step_name, batch, batch_idx, train=True, loss_scale=1 / accumulate)
+        if self.tied is not None and optimizer_steps_after_this_batch(trainer):
+            self.tied.sum()  # both ends apply the tied weight's whole gradient
+        return loss
+
+    def counted_elsewhere(self) -> set[int]:
+        """Ids of the parameters another stage counts in the gradient norm: the first stage counts tied weights."""
+        if self.tied is None or dist.get_group_rank(self.pp_group, dist.get_rank()) == 0:
+            return set()
+        return {id(parameter) for parameter in self.tied.parameters()}
 
     def __call__(self, step_name: str, batch: Any, batch_idx: int, *, train: bool, loss_scale: float = 1.0) -> Tensor:
         """The step's mean loss over the batch. Backward runs on each microbatch's loss divided by the number of
@@ -286,11 +330,6 @@ class PipelineStep:
             )
         finally:
             self._step = self._step_for_input = None
-
-    def sum_tied_gradients(self) -> None:
-        """Before the optimizer steps: both ends of the pipeline apply the tied weight's whole gradient."""
-        if self.tied is not None:
-            self.tied.sum()
 
     def loss(self, output: Any, microbatch: Any) -> Tensor:
         """The schedule's ``loss_fn`` on the last stage: the user's step, its model call answered with ``output``."""
@@ -397,8 +436,8 @@ def example_model_call(module: LightningModule, microbatches: int) -> tuple[tupl
         TrainerFn.TESTING: (trainer.test_loop, "test_step"),
         TrainerFn.PREDICTING: (trainer.predict_loop, "predict_step"),
     }[trainer.state.fn]
-    batch, _, _ = next(iter(CombinedLoader(loop._data_source.dataloader(), "sequential")))
-    batch = module._apply_batch_transfer_handler(batch, next(module.parameters()).device)
+    batch, _, _ = next(iter(CombinedLoader(data_source(loop).dataloader(), "sequential")))
+    batch = apply_batch_transfer_handler(module, batch, next(module.parameters()).device)
     step = getattr(type(module), step_name)
     call = model_call_of(module, lambda whole: step(module, whole, 0), batch, metrics_of(module), [""])
     return apply_to_collection((call.args, call.kwargs), Tensor, lambda t: t[: max(len(t) // microbatches, 1)])

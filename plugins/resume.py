@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightdist.plugins.lightning_internals import SubprocessScriptLauncher, last_checkpoints_found_by
 from lightdist.storage import checkpoints_under
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ class ResumesLast:
             )
 
 
-class _StartsRanks(ResumesLast, _SubprocessScriptLauncher):
+class _StartsRanks(ResumesLast, SubprocessScriptLauncher):
     """Lightning's launcher, which starts the other ranks by running the script again, each resolving in turn."""
 
 
@@ -145,5 +145,5 @@ def checkpoint_directories(trainer: pl.Trainer) -> list[str]:
         if isinstance(callback, (ModelCheckpoint, OnExceptionCheckpoint)) and callback.dirpath is not None:
             directories.append(str(callback.dirpath))
         elif isinstance(callback, ModelCheckpoint):
-            directories.extend(os.path.dirname(path) for path in callback._find_last_checkpoints(trainer))
+            directories.extend(os.path.dirname(path) for path in last_checkpoints_found_by(callback, trainer))
     return list(dict.fromkeys(directories))

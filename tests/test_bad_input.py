@@ -51,6 +51,7 @@ def test_under_torchrun_the_error_names_the_launchers_world_size(monkeypatch: py
         (dict(microbatches=0), r"microbatches=0 must be a positive integer"),
         (dict(activation_checkpointing="some"), r"activation_checkpointing='some' is not one of None, 'full'"),
         (dict(zero_stage=1, cpu_offload=True), r"cpu_offload=True needs .* zero_stage=1. Use zero_stage=2 or 3"),
+        (dict(compile=True, activation_checkpointing="full"), r"compile=True with activation_checkpointing='full'"),
         (dict(tensor_parallel_size=0), r"tensor_parallel_size=0 must be a positive integer or 'auto' or 'node'"),
         (dict(pipeline_parallel_size="four"), r"pipeline_parallel_size='four' must be a positive integer or 'auto'"),
         (dict(virtual_stages=2), r"pipeline_schedule='1f1b' runs one stage per rank, but virtual_stages=2. Use"),

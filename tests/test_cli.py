@@ -73,6 +73,7 @@ def test_main_job_config_trains_3d_and_saves_every_ranks_shard(tmp_path: Path) -
         "loss_parallel": False,
         "activation_checkpointing": None,
         "cpu_offload": False,
+        "compile": False,
         "non_finite": None,
         "precision": "32-true",
         "parameters": sum(p.numel() for p in Llama("tiny").parameters()),

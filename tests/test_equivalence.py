@@ -40,6 +40,10 @@ CASES = {
         "gpt2_tp2_fused_qkv_tied": Case(strategy=dict(TP2, zero_stage=3), model="gpt2_no_bias", gradient_clip_val=0.1),
         "unknown_family_tp2_traced_plan": Case(strategy=dict(TP2), model="unknown_family", gradient_clip_val=0.1),
         "hf_llama_zero3": Case(strategy=dict(zero_stage=3), model="hf_llama"),
+        # torch.compile per block, between tensor parallelism and ZeRO (torchtitan's order), on third-party code
+        "zoo_hf_llama_tp2_compiled_labels": Case(
+            strategy=dict(TP2, zero_stage=3, compile=True), model="zoo_hf_llama_labels"
+        ),
         "hf_llama_tp2": Case(strategy=dict(TP2, zero_stage=3), model="hf_llama", gradient_clip_val=0.1),
         "hf_opt_tp2_row_parallel_biases": Case(strategy=dict(TP2_NO_SP, zero_stage=3), model="hf_opt"),
         "pp2_gpipe": Case(strategy=dict(PP2, pipeline_schedule="gpipe")),

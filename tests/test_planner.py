@@ -62,7 +62,7 @@ def held_by(preset: str, pp: int, dp: int, tp: int, rank: int) -> int:
         strategy = ParallelStrategy(pipeline_parallel_size=pp, tensor_parallel_size=tp, zero_stage=3)
         strategy.parallel_devices = [torch.device("cpu")]
         strategy._layout = ParallelLayout(pp=pp, dp=dp, tp=tp)
-        strategy._device_mesh = strategy._layout.build_mesh("cpu")
+        strategy._mesh = strategy._layout.build_mesh("cpu")
         model = meta_llama(preset)
         strategy._parallelize(model)
         return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())

@@ -224,6 +224,7 @@ class Case:
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = None
     precision: str = "32-true"
+    accelerator: str = "cpu"
     limit_train_batches: int | None = None  # batches per epoch
     shuffle: bool = False  # a parallel run's shuffled order is not the single process's: compare runs in one layout
     validate: bool = False  # after training, trainer.validate: its loss and perplexity must be the single process's
@@ -346,7 +347,7 @@ def train(
     )
     result = Result()
     trainer = Trainer(
-        accelerator="cpu",
+        accelerator=case.accelerator,
         devices=devices,
         strategy=ParallelStrategy(**case.strategy) if case.strategy is not None else "auto",
         plugins=list(plugins),

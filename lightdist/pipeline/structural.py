@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from lightdist.structure import DecoderStack
+from lightdist.torch_internals import TreeSpec, is_view, tree_flatten, tree_unflatten
 
 __all__ = [
     "ModelCall",
@@ -92,7 +92,7 @@ class _StageBlocks(nn.ModuleList):
     _running: list[nn.Module] | None = None
 
     def _visible(self) -> list[nn.Module]:
-        return self._running if self._running is not None else list(self._modules.values())
+        return self._running if self._running is not None else list(self.children())
 
     def __getitem__(self, index: int | slice) -> nn.Module | nn.ModuleList:
         if isinstance(index, int):
@@ -141,7 +141,7 @@ _TENSOR = object()  # where a tensor stood in the last stage's output
 
 def _not_a_view(tensor: Tensor) -> Tensor:
     # A view (to_local's, a head's) would let an in-place op drop FSDP's pre-backward hook on the stage.
-    return tensor.clone() if tensor._base is not None else tensor
+    return tensor.clone() if is_view(tensor) else tensor
 
 
 class _StageEnd(Exception):
@@ -178,9 +178,9 @@ def keep_stages(model: nn.Module, stack: DecoderStack, blocks: set[int], *, firs
     ``first``/``last``: whether this rank holds the first/last stage. Returns the rank's own stack.
     """
     kept = _StageBlocks()
-    kept._modules = {
-        name: block for index, (name, block) in enumerate(stack.blocks.named_children()) if index in blocks
-    }
+    for index, (name, block) in enumerate(stack.blocks.named_children()):
+        if index in blocks:
+            kept.add_module(name, block)
     _set_submodule(model, stack.name, kept)
     for name, module, before_stack in _ends(model, stack):
         if not (first if before_stack else last):
@@ -210,7 +210,7 @@ class StageModel(nn.Module):
         *,
         first: bool,
         last: bool,
-        as_stream: Callable[[Tensor], Tensor] = lambda x: x,
+        as_stream: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
@@ -286,7 +286,8 @@ class StageModel(nn.Module):
                 "with the hidden states first, e.g. `block(x, ...)`, or cut the stages with torch's tracer "
                 "(pipeline_tracer=True)."
             )
-        return (self.as_stream(self._incoming), *args[1:]), kwargs
+        incoming = self._incoming if self.as_stream is None else self.as_stream(self._incoming)
+        return (incoming, *args[1:]), kwargs
 
     def _stop(self, block: nn.Module, args: tuple, output: Any) -> None:
         raise _StageEnd

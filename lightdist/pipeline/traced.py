@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor, fx, nn
 from torch.distributed.pipelining import SplitPoint, pipeline
-from torch.distributed.pipelining._IR import _modify_graph_op_device
 
 from lightdist.pipeline.structural import balanced_split
+from lightdist.torch_internals import drop_pipeline_split_markers, move_graph_to_device
 
 __all__ = [
     "TracedInput",
@@ -75,8 +75,7 @@ def trace_stages(
         ) from error
     finally:
         for name in starts:  # pipeline() leaves its split markers on the blocks
-            block = model.get_submodule(name)
-            del block.forward, block._orig_forward
+            drop_pipeline_split_markers(model.get_submodule(name))
     stages = [pipe.get_stage_module(index) for index in range(pipe.num_stages)]
     if len(stages) != len(sizes):
         raise ValueError(
@@ -84,7 +83,7 @@ def trace_stages(
             f"forward does not call the blocks {', '.join(starts)} in order. Call each block once, in order."
         )
     for stage in stages:
-        _modify_graph_op_device(stage, device)  # the tracer records the example's device in factory calls
+        move_graph_to_device(stage, device)
         _drop_uncalled(stage)
         _use_model_parameters(model, stage)
     return stages
@@ -146,7 +145,7 @@ def share_model_buffers(model: nn.Module, stages: list[nn.Module]) -> None:
     for stage in stages:
         for name, _ in list(stage.named_buffers()):
             owner, _, leaf = name.rpartition(".")
-            stage.get_submodule(owner)._buffers[leaf] = model.get_buffer(name)
+            setattr(stage.get_submodule(owner), leaf, model.get_buffer(name))
 
 
 class TracedInput:

@@ -1,0 +1,261 @@
+"""Private names of torch, Lightning and the other packages lightdist builds on are reached through lightdist's two
+internals modules only (``lightdist/torch_internals.py``, ``plugins/lightning_internals.py``), and behave there as
+lightdist relies on: an upgrade that renames or changes one fails here, naming it, not in a user's run."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pkgutil
+from datetime import timedelta
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torchmetrics import MeanMetric
+
+from lightdist import torch_internals
+from lightdist.plugins import lightning_internals
+from lightdist.plugins.lightning_internals import (
+    apply_batch_transfer_handler,
+    call_configure_model,
+    data_source,
+    give_device_mesh,
+    metric_defaults,
+    metric_forward_cache,
+    optimizer_steps_after_this_batch,
+    set_metric_progress,
+    skip_lightning_backward,
+)
+from lightdist.torch_internals import default_store, is_view, set_group_timeout, storage_key
+
+REPO = Path(__file__).parents[1]
+INTERNALS = {REPO / "lightdist/torch_internals.py", REPO / "plugins/lightning_internals.py"}
+OTHER_PACKAGES = {"torch", "lightning", "lightning_utilities", "torchmetrics", "transformers", "fsspec", "wandb", "ray"}
+# Private by name, documented by their owner: Python's sys module documents _current_frames.
+DOCUMENTED = {"_current_frames"}
+SUBCLASS_PRIVATES = {**torch_internals.SUBCLASS_PRIVATES, **lightning_internals.SUBCLASS_PRIVATES}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.endswith("__")
+
+
+def _sources(*folders: str) -> list[Path]:
+    return sorted(path for folder in folders for path in (REPO / folder).rglob("*.py"))
+
+
+def _own_private_names() -> set[str]:
+    """The private names lightdist's own code and tests define: functions, classes, attributes, variables."""
+    names = set()
+    for path in _sources("lightdist", "plugins", "models", "tests", "examples", "bench"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+    return {name for name in names if _private(name)}
+
+
+def private_uses(path: Path, own: set[str]) -> list[str]:
+    """Where ``path`` imports a private name or module of another package, or reads a private attribute that is
+    not lightdist's own off anything but ``self``."""
+    uses = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        where = f"{path.relative_to(REPO)}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in OTHER_PACKAGES:
+            names = [node.module] if any(map(_private, node.module.split("."))) else []
+            uses += [f"{where} {n}" for n in names + [a.name for a in node.names if _private(a.name)]]
+        elif isinstance(node, ast.Import):
+            uses += [f"{where} {a.name}" for a in node.names if any(map(_private, a.name.split(".")))]
+        elif isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in own | DOCUMENTED:
+            on_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            on_super = isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "") == "super"
+            if not on_self and not on_super:
+                uses.append(f"{where} .{node.attr}")
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") in (
+            "getattr",
+            "setattr",
+            "hasattr",
+            "delattr",
+        ):
+            key = node.args[1] if len(node.args) > 1 else None
+            if isinstance(key, ast.Constant) and isinstance(key.value, str) and _private(key.value):
+                uses += [f"{where} {key.value}"] if key.value not in own else []
+    return uses
+
+
+def test_private_names_of_other_packages_go_through_the_internals_modules_only() -> None:
+    own = _own_private_names()
+    outside = [
+        use
+        for path in _sources("lightdist", "plugins", "models")
+        if path not in INTERNALS
+        for use in private_uses(path, own)
+    ]
+    assert outside == [], "private names of other packages outside the internals modules:\n" + "\n".join(outside)
+
+
+def _lightdist_classes() -> list[type]:
+    import lightdist.models
+    import lightdist.plugins
+
+    modules = [
+        importlib.import_module(info.name)
+        for package in (lightdist, lightdist.plugins, lightdist.models)
+        for info in pkgutil.walk_packages(package.__path__, f"{package.__name__}.")
+        if not info.name.endswith("__main__")  # runs the CLI
+    ]
+    return [
+        cls
+        for module in modules
+        for _, cls in inspect.getmembers(module, inspect.isclass)
+        if cls.__module__ == module.__name__
+    ]
+
+
+def _privates_defined_by(cls: type) -> set[str]:
+    """The private members ``cls`` defines: methods, class attributes, and what its code assigns to ``self``."""
+    names = {name for name in vars(cls) if _private(name)}
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return names
+    return names | {
+        name for name in _private_self_names(source) if f"self.{name} =" in source or f"self.{name}:" in source
+    }
+
+
+def _private_self_names(source: str) -> set[str]:
+    tree = ast.parse(inspect.cleandoc("\n" + source) if source[:1].isspace() else source)
+    names = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            names.add(node.attr)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Call):
+            names.add(node.attr)  # super()._name
+    return {name for name in names if _private(name)}
+
+
+def test_private_members_that_subclasses_use_of_other_packages_classes_are_declared_with_a_reason() -> None:
+    undeclared = []
+    for cls in _lightdist_classes():
+        theirs = [base for base in cls.__mro__ if base.__module__.split(".")[0] in OTHER_PACKAGES]
+        if not theirs:
+            continue
+        inherited = set().union(*(_privates_defined_by(base) for base in theirs))
+        used = _private_self_names(inspect.getsource(cls)) & inherited
+        undeclared += [f"{cls.__module__}.{cls.__qualname__}: {name}" for name in sorted(used - set(SUBCLASS_PRIVATES))]
+    assert undeclared == [], "declare these in SUBCLASS_PRIVATES, with why:\n" + "\n".join(undeclared)
+
+
+def test_declared_private_members_still_exist_where_lightdist_uses_them() -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+    owners = {
+        "_configure_launcher": ModelParallelStrategy,
+        "_setup_distributed": ModelParallelStrategy,
+        "_get_process_group_backend": ModelParallelStrategy,
+        "_run_subcommand": LightningCLI,
+        "_apply": ParallelStyle,
+        "_prepare_input_fn": ColwiseParallel,
+        "_prepare_output_fn": RowwiseParallel,
+        "_get_metadata_path": FileSystemReader,
+    }
+    checkpoint = ModelCheckpoint()
+    for name in SUBCLASS_PRIVATES:
+        owner = owners.get(name, checkpoint)
+        assert hasattr(owner, name), f"{owner} has no {name} any more"
+
+
+class _Recorder(pl.LightningModule):
+    """Records, from inside its own steps, what the Lightning internals lightdist reads say."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 1)
+        self.steps_after: list[bool] = []
+        self.transferred = 0
+        self.configured = 0
+
+    def configure_model(self) -> None:
+        self.configured += 1
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        self.transferred += 1
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def on_train_start(self) -> None:
+        self.loader = data_source(self.trainer.fit_loop).dataloader()
+        self.moved = apply_batch_transfer_handler(self, torch.ones(2), torch.device("cpu"))
+        skip_lightning_backward(self.trainer, True)
+        self.initial = self.layer.weight.detach().clone()
+
+    def training_step(self, batch, batch_idx):
+        self.steps_after.append(optimizer_steps_after_this_batch(self.trainer))
+        return self.layer(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+
+def test_lightning_internals_behave_as_lightdist_relies_on() -> None:
+    module, loader = _Recorder(), torch.utils.data.DataLoader(torch.ones(3, 2), batch_size=1)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, loader)
+    assert module.steps_after == [False, True, True]  # the second of two accumulated batches, and the epoch's last
+    assert module.loader is loader
+    assert module.transferred == 4 and torch.equal(module.moved, torch.ones(2))  # three batches, and ours
+    assert torch.equal(module.layer.weight, module.initial)  # no backward ran: the optimizer had no gradients
+    calls = module.configured
+    call_configure_model(trainer)
+    assert module.configured == calls + 1
+
+
+def test_torchmetrics_internals_behave_as_lightdist_relies_on() -> None:
+    metric = MeanMetric()
+    assert set(metric_defaults(metric)) == {"mean_value", "weight"}
+    metric(torch.tensor(4.0))
+    assert metric_forward_cache(metric) == 4.0
+    set_metric_progress(metric, 5, torch.tensor(2.0))
+    assert metric.update_count == 5 and metric_forward_cache(metric) == 2.0
+
+
+def test_torch_internals_behave_as_lightdist_relies_on(tmp_path: Path) -> None:
+    tensor = torch.ones(4, 4)
+    assert is_view(tensor[0]) and not is_view(tensor)
+    on_meta = torch.empty(4, device="meta"), torch.empty(4, device="meta")
+    assert storage_key(on_meta[0]) != storage_key(on_meta[1])
+    assert storage_key(tensor) == storage_key(tensor[1:])
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        default_store().set("lightdist/test", "beat")
+        assert default_store().get("lightdist/test") == b"beat"
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+        set_group_timeout(mesh.get_group(), timedelta(seconds=7))
+        module = _Recorder()
+        give_device_mesh(module, mesh)
+        assert module.device_mesh is mesh
+    finally:
+        dist.destroy_process_group()
