@@ -8,12 +8,14 @@ and in LightningCLI configs. ``lightdist.ParallelStrategy`` is ``lightdist.plugi
 from typing import Any
 
 from lightdist.layout import ParallelLayout
+from lightdist.quiet import silence_known_noise
 from lightdist.registration import register_with_lightning
 
 __all__ = ["ParallelLayout", "ParallelStrategy"]
 __version__ = "0.1.0"
 
 register_with_lightning()
+silence_known_noise()
 
 
 def __getattr__(name: str) -> Any:

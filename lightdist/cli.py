@@ -5,10 +5,12 @@
 ``lightdist plan --config ...`` shows what tensor parallelism will do to the model, without allocating it.
 ``lightdist export CKPT OUT`` turns a sharded checkpoint into weights for the plain model (safetensors, torch, or a
 Hugging Face model). ``lightdist fit --config ... --launcher ray --num-workers N`` trains on Ray Train's workers.
+``--verbose`` (or ``LIGHTDIST_LOG=debug``) shows the third-party messages lightdist silences (``lightdist/quiet.py``).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from lightning.pytorch.cli import ArgsType, LightningCLI
@@ -18,9 +20,24 @@ from lightdist import export, plan
 
 __all__ = ["main"]
 
+# lightdist's own commands, beside Lightning's fit, validate, test and predict.
+COMMANDS = {
+    "plan": "how a model splits, what each layout costs per GPU, and which to use, without allocating it",
+    "export": "a sharded checkpoint as weights for the plain model: safetensors, torch, or a Hugging Face model",
+}
+
 
 def main(args: ArgsType = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
+    if "--verbose" in argv:
+        argv.remove("--verbose")
+        if args is None:  # Lightning reads the command line, and starts the other ranks with it
+            sys.argv.remove("--verbose")
+        os.environ["LIGHTDIST_LOG"] = "debug"  # the ranks and their checkpoint processes inherit it
+    if not argv or argv[0] in ("-h", "--help"):
+        print("lightdist: Lightning's commands (fit, validate, test, predict; their help below), and")
+        print("\n".join(f"  {name:<8}{what}" for name, what in COMMANDS.items()))
+        print("  --verbose also shows the third-party messages lightdist silences\n")
     if argv[:1] == ["plan"]:
         plan.main(argv[1:])
         return
@@ -32,7 +49,7 @@ def main(args: ArgsType = None) -> None:
 
         ray.main(argv)
         return
-    LightningCLI(save_config_kwargs={"overwrite": True}, args=args)
+    LightningCLI(save_config_kwargs={"overwrite": True}, args=None if args is None else argv)
 
 
 if __name__ == "__main__":

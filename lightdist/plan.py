@@ -5,15 +5,18 @@ The model is built on the meta device, so a 70B model plans in seconds on a lapt
     lightdist plan --model lightdist.models.Llama --init-args '{"preset": "70b"}' --gpus 64 --gpu-memory 80
     lightdist plan --model lightdist.models.Llama --init-args '{"preset": "70b"}' --tp 8
     lightdist plan --config configs/3d_cpu.yaml
+    lightdist plan --model lightdist.models.Llama --init-args '{"preset": "70b"}' --gpus 64 --format csv > layouts.csv
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib
 import json
 import math
 import re
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,7 +34,7 @@ from lightdist.structure import DecoderStack, find_decoder_stack
 from lightdist.tensor_parallel import TensorParallelStyle, check_divisible, discover_plan, replicated_key_values
 from lightdist.torch_internals import FakeStore
 
-__all__ = ["format_layouts", "format_plan", "format_stages", "main"]
+__all__ = ["format_layouts", "format_plan", "format_stages", "layout_records", "main"]
 
 
 def format_stages(
@@ -142,6 +145,37 @@ def format_layouts(shape: ModelShape, training: Training, cluster: Cluster) -> t
     return "\n".join(lines), best.fits
 
 
+def layout_records(shape: ModelShape, training: Training, cluster: Cluster) -> list[dict[str, object]]:
+    """The layouts table as records, the recommended layout first, for comparing layouts in a notebook: GiB per GPU
+    on the most loaded GPU, and seconds per step."""
+    plans = plan_layouts(shape, training, cluster)
+    return [
+        {
+            "layout": str(plan.layout),
+            "pp": plan.layout.pp,
+            "dp": plan.layout.dp,
+            "tp": plan.layout.tp,
+            "zero_stage": plan.layout.zero_stage,
+            "activation_checkpointing": plan.layout.activation_checkpointing or "",
+            "microbatches": plan.layout.microbatches,
+            **{
+                f"{name}_gib": round(size / GiB, 3)
+                for name, size in (
+                    ("params", plan.params),
+                    ("grads", plan.grads),
+                    ("optimizer", plan.optimizer),
+                    ("activations", plan.activations),
+                    ("total", plan.total),
+                )
+            },
+            "fits": plan.fits,
+            "step_s": round(plan.step_s, 4),
+            "recommended": index == 0 and plan.fits,
+        }
+        for index, plan in enumerate(plans)
+    ]
+
+
 def _layout_row(plan: Estimate, width: int) -> str:
     sizes = (plan.params, plan.grads, plan.optimizer, plan.activations, plan.total)
     gib = " ".join(f"{size / GiB:6.1f}" for size in sizes)
@@ -190,7 +224,12 @@ def main(argv: list[str]) -> None:
     cluster.add_argument("--global-batch", type=int, default=256, help="sequences per optimizer step")
     cluster.add_argument("--micro-batch", type=int, default=1, help="sequences per microbatch")
     cluster.add_argument("--precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed")
+    cluster.add_argument(
+        "--format", choices=["table", "csv", "json"], default="table", help="csv or json: one record per layout"
+    )
     args = parser.parse_args(argv)
+    if args.format != "table" and args.gpus is None:
+        parser.error(f"--format {args.format} writes the layouts table: add --gpus N.")
 
     class_path, init_args, tp, tp_plan = args.model, json.loads(args.init_args), args.tp, None
     pp, split, schedule, virtual_stages = args.pp, None, args.schedule, args.virtual_stages
@@ -218,6 +257,9 @@ def main(argv: list[str]) -> None:
                 args.intra_node_gbps,
                 args.inter_node_gbps,
             )
+            if args.format != "table":
+                _write_records(layout_records(ModelShape(model, tp_plan), training, cluster), args.format)
+                return
             table, fits = format_layouts(ModelShape(model, tp_plan), training, cluster)
             print(table)
             if not fits:
@@ -229,3 +271,12 @@ def main(argv: list[str]) -> None:
             print(format_stages(model, pp, split, schedule=schedule or "1f1b", virtual_stages=virtual_stages))
     except ValueError as error:
         parser.exit(2, f"lightdist plan: {error}\n")
+
+
+def _write_records(records: list[dict[str, object]], form: str) -> None:
+    if form == "json":
+        print(json.dumps(records, indent=2))
+        return
+    writer = csv.DictWriter(sys.stdout, fieldnames=list(records[0]) if records else [])
+    writer.writeheader()
+    writer.writerows(records)

@@ -17,6 +17,8 @@ from urllib.parse import urlsplit
 from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightdist.quiet import verbose
+
 __all__ = ["WandbLogger", "why_wandb_cannot_log_online"]
 
 _DEFAULT_HOST = "https://api.wandb.ai"
@@ -49,6 +51,9 @@ class WandbLogger(LightningWandbLogger):
                     f" with `wandb sync {wandb_dir}/offline-run-*`, or set WANDB_MODE=offline to skip this check."
                 )
                 log_model = False
+        if not verbose():
+            # W&B's own lines (its version, where the run is saved, its hints) say what the run's header says.
+            os.environ.setdefault("WANDB_SILENT", "true")
         super().__init__(offline=offline, save_dir=save_dir, log_model=log_model, **kwargs)
         self._runs_offline = offline
 

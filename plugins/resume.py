@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightdist.plugins.lightning_internals import SubprocessScriptLauncher, last_checkpoints_found_by
+from lightdist.plugins.progress import adopt_progress_bar
 from lightdist.storage import checkpoints_under
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class ResumesLast:
         from lightdist.plugins.checkpoint import adopt_checkpoint_callbacks
 
         adopt_checkpoint_callbacks(trainer)
+        adopt_progress_bar(trainer)
         call = inspect.signature(function).bind(*args, **kwargs)  # Lightning's _fit_impl(..., ckpt_path, ...)
         self._resumes = _NOT_ASKED
         if call.arguments.get("ckpt_path") == "last":

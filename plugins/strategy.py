@@ -44,6 +44,7 @@ from lightdist.plugins.non_finite import NonFiniteGuard, NonFinitePolicy, NonFin
 from lightdist.plugins.options import validate_options
 from lightdist.plugins.pipeline_step import PipelineStep, example_model_call, pipeline_step_over
 from lightdist.plugins.rank_state import deal_samples_in_turn, gather_rank_states, take_rank_state
+from lightdist.plugins.run_header import run_header
 from lightdist.plugins.strategy_names import STRATEGY_NAMES
 from lightdist.rng import set_rng_state
 from lightdist.sharding import ShardedOptimizer, ZeroStage
@@ -148,6 +149,8 @@ class ParallelStrategy(MeshStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         self.accelerator.setup(trainer)
         parameters = sum(p.numel() for p in self.lightning_module.parameters())  # whole, before it is split
+        if trainer.is_global_zero:
+            rank_zero_info(run_header(self, trainer, self._config))
         refuse_metrics_on_meta(self.lightning_module)
         self.model = self._parallelize(self.lightning_module)
         reduce_metrics_over(self.lightning_module, self.device_mesh["dp"].get_group())

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import math
 import os
 import subprocess
@@ -12,7 +15,7 @@ import pytest
 import yaml
 from lightning.pytorch import Trainer
 
-from lightdist.cli import main
+from lightdist.cli import COMMANDS, main
 from lightdist.models import Llama
 from lightdist.storage import resolve
 
@@ -20,6 +23,17 @@ from training import checkpoint_files, shard_files
 from wandb_offline import offline_run_config, offline_run_history
 
 CONFIGS = Path(__file__).parents[1] / "configs"
+LIGHTDIST = Path(sys.executable).with_name("lightdist")  # the command the install puts beside the interpreter
+# What third-party code would print on every run without lightdist/quiet.py (issue: the first ten minutes).
+NOISE = (
+    "Waiting for checkpoint save request",
+    "pickling/unpickling of the DeviceMesh",
+    "set_vital",
+    "Tip:",
+    "isinstance(treespec, LeafSpec)",
+    "Tracking run with wandb version",
+    "there is no last checkpoint available",
+)
 QUICK = [
     "--trainer.devices=2",
     "--trainer.max_steps=3",
@@ -32,13 +46,12 @@ QUICK = [
 def lightdist_fit(
     config: str, *overrides: str, cwd: Path, launcher: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess:
-    """The command as a user without a W&B login runs it: no API key in the environment or in ``~/.netrc``."""
+    """The command as a user without a W&B login runs it: no API key in the environment or in ``~/.netrc``; the
+    installed ``lightdist`` command, unless a ``launcher`` runs the module."""
     environment = {name: value for name, value in os.environ.items() if not name.startswith("WANDB_")}
+    lightdist = [sys.executable, *launcher, "-m", "lightdist"] if launcher else [str(LIGHTDIST)]
     command = [
-        sys.executable,
-        *launcher,
-        "-m",
-        "lightdist",
+        *lightdist,
         "fit",
         "--config",
         str(CONFIGS / config),
@@ -60,6 +73,16 @@ def test_main_job_config_trains_3d_and_saves_every_ranks_shard(tmp_path: Path) -
     assert sorted(path.name for path in checkpoint.iterdir() if path.suffix == ".distcp") == shard_files(8)
     # Without a W&B login the run logged offline, said so once, and recorded how it was split.
     assert run.stderr.count("W&B logs offline to runs/3d_cpu/wandb, because no API key is set") == 1
+    # One header, from rank 0, says how the run is split and where its checkpoints and logs go; no noise.
+    header = run.stderr[run.stderr.index("lightdist: Llama, ") :].splitlines()[:5]
+    assert header[0].endswith("on 8 CPU ranks as pp=2 x dp=2 x tp=2, ZeRO-2"), header
+    assert header[1] == "  1f1b schedule, 4 microbatches per batch, sequence parallel"
+    assert header[2].startswith("  memory per rank, planned: ")
+    assert header[3].endswith("runs/3d_cpu/checkpoints, uploaded behind training (process)")
+    assert header[4].startswith("  W&B: offline, in runs/3d_cpu/wandb/offline-run-")
+    assert run.stderr.count("lightdist: Llama, ") == 1
+    assert run.stderr.count("lightdist: no checkpoint under ") == 1
+    assert not [line for line in (run.stdout + run.stderr).splitlines() if any(noise in line for noise in NOISE)]
     assert offline_run_config(tmp_path / "runs/3d_cpu/wandb")["lightdist"] == {
         "world_size": 8,
         "pipeline_parallel_size": 2,
@@ -200,3 +223,32 @@ def test_plan_shows_which_rank_holds_each_interleaved_stage(capsys: pytest.Captu
         "  stage 2 on rank 0: model.layers.2: 46,208 parameters",
         "  stage 3 on rank 1: model.layers.3 + norm and head: 50,368 parameters",
     ]
+
+
+def test_plan_writes_the_layouts_as_csv_or_json_records_for_a_notebook(capsys: pytest.CaptureFixture) -> None:
+    plan = ["plan", "--model", "lightdist.models.Llama", "--init-args", '{"preset": "70b"}', "--gpus", "64"]
+    main([*plan, "--format", "json"])
+    records = json.loads(capsys.readouterr().out)
+    main([*plan, "--format", "csv"])
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    main(plan)
+    table = capsys.readouterr().out.splitlines()
+    assert len(records) == len(rows) == len(table) - 3  # the table's title, column names and recommendation
+    assert [row["layout"] for row in rows] == [record["layout"] for record in records]
+    assert records[0]["recommended"] and table[-1].startswith(f"Recommended: {records[0]['layout']}: ")
+    assert float(rows[0]["total_gib"]) == records[0]["total_gib"] == pytest.approx(54.5, abs=0.05)
+    assert sum(record["recommended"] for record in records) == 1
+
+
+def test_the_layouts_formats_need_a_cluster(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "lightdist.models.Llama", "--format", "csv"])
+    assert "--format csv writes the layouts table: add --gpus N." in capsys.readouterr().err
+
+
+def test_lightdist_help_lists_its_own_commands_beside_lightnings(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    shown = capsys.readouterr().out
+    assert all(f"  {name:<8}{what}" in shown for name, what in COMMANDS.items())
+    assert "{fit,validate,test,predict}" in shown

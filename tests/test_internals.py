@@ -158,7 +158,7 @@ def test_private_members_that_subclasses_use_of_other_packages_classes_are_decla
 
 
 def test_declared_private_members_still_exist_where_lightdist_uses_them() -> None:
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.distributed.checkpoint import FileSystemReader
@@ -169,6 +169,7 @@ def test_declared_private_members_still_exist_where_lightdist_uses_them() -> Non
         "_setup_distributed": ModelParallelStrategy,
         "_get_process_group_backend": ModelParallelStrategy,
         "_run_subcommand": LightningCLI,
+        "_get_train_description": RichProgressBar,
         "_apply": ParallelStyle,
         "_prepare_input_fn": ColwiseParallel,
         "_prepare_output_fn": RowwiseParallel,

@@ -1,0 +1,100 @@
+"""The lines a run opens with, on rank 0: how the model is split, what each rank holds, and where checkpoints and
+logs go. Everything else the run prints is Lightning's progress bar, or something that went wrong."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import WandbLogger
+
+from lightdist.parallelize import ParallelConfig
+from lightdist.planner import GiB
+from lightdist.plugins.auto_layout import planned_layout
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightdist.plugins.strategy import ParallelStrategy
+
+__all__ = ["run_header"]
+
+
+def run_header(strategy: ParallelStrategy, trainer: pl.Trainer, config: ParallelConfig) -> str:
+    """The header of ``trainer``'s run, from the whole module (call it before the module is split)."""
+    module, layout, run = strategy.lightning_module, strategy.layout, config.as_run(strategy.layout)
+    parameters = sum(p.numel() for p in module.parameters())
+    device = "GPU" if strategy.root_device.type == "cuda" else f"{strategy.root_device.type.upper()} rank"
+    lines = [
+        f"lightdist: {type(module).__name__}, {_count(parameters)} parameters, on {layout.world_size} {device}"
+        f"{'s' if layout.world_size > 1 else ''} as {layout}, ZeRO-{run['zero_stage']}"
+    ]
+    split = []
+    if layout.pp > 1:
+        split.append(f"{run['pipeline_schedule']} schedule, {run['microbatches']} microbatches per batch")
+        if run["virtual_stages"] > 1:
+            split.append(f"{run['virtual_stages']} stages per rank")
+    split += [name.replace("_", " ") for name in ("sequence_parallel", "loss_parallel", "compile") if run[name]]
+    if run["activation_checkpointing"]:
+        split.append(f"{run['activation_checkpointing']} activation checkpointing")
+    if split:
+        lines.append("  " + ", ".join(split))
+    lines += _memory(strategy, config) + _destinations(trainer, strategy)
+    return "\n".join(lines)
+
+
+def _memory(strategy: ParallelStrategy, config: ParallelConfig) -> list[str]:
+    """The planner's estimate of the most loaded rank's memory, where the module declares its batch's size."""
+    layout = strategy.layout
+    try:
+        _, estimate = planned_layout(
+            strategy.lightning_module,
+            world_size=layout.world_size,
+            devices_per_node=strategy.num_processes,
+            device=strategy.root_device,
+            pp=layout.pp,
+            dp=layout.dp,
+            tp=layout.tp,
+            config=config,
+        )
+    except Exception as error:  # the header must not stop a run: no seq_len and batch_size, a model it cannot trace
+        return [f"  memory per rank: not estimated ({str(error).splitlines()[0][:120]})"]
+    parts = ", ".join(
+        f"{name} {_size(size)}"
+        for name, size in (
+            ("parameters", estimate.params),
+            ("gradients", estimate.grads),
+            ("optimizer", estimate.optimizer),
+            ("activations", estimate.activations),
+        )
+    )
+    return [f"  memory per rank, planned: {_size(estimate.total)} ({parts})"]
+
+
+def _destinations(trainer: pl.Trainer, strategy: ParallelStrategy) -> list[str]:
+    lines = []
+    for callback in trainer.callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
+            background = strategy.checkpoint_io.async_checkpoint
+            how = f"uploaded behind training ({background})" if background else "saved before training goes on"
+            lines.append(f"  checkpoints: {callback.dirpath}, {how}")
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            lines.append(f"  W&B: {_wandb_run(logger)}")
+    return lines
+
+
+def _wandb_run(logger: WandbLogger) -> Any:
+    run = logger.experiment
+    return f"offline, in {run.dir} (upload it with `wandb sync`)" if run.offline else run.url
+
+
+def _size(size: float) -> str:
+    return f"{size / GiB:.2f} GiB" if size >= GiB / 10 else f"{size / 2**20:.1f} MiB"
+
+
+def _count(parameters: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if parameters >= size:
+            return f"{parameters / size:.1f}{unit}"
+    return str(parameters)

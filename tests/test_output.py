@@ -1,0 +1,108 @@
+"""What a run prints. Third-party noise is dropped where it comes from, narrowly: the same packages' other messages,
+and a user's own warnings and logs, still show; ``LIGHTDIST_LOG=debug`` shows everything. The progress bar counts
+steps. (The header and a whole run's output: ``tests/test_cli.py``.)"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import RichProgressBar
+
+from lightdist.plugins import ParallelStrategy
+from lightdist.quiet import silence_known_noise
+
+from multirank import run_ranks
+
+CHECKPOINT_PROCESS = "/venv/site-packages/torch/distributed/checkpoint/_async_process_executor.py"
+
+
+def shown(logger: str, level: int, message: str, path: str = "/home/me/train.py") -> bool:
+    record = logging.LogRecord(logger, level, path, 1, message, None, None)
+    return all(f.filter(record) for f in logging.getLogger(logger if logger != "root" else None).filters)
+
+
+def warned(message: str, category: type[Warning], module: str) -> bool:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every warning shows, as in a process of its own
+        silence_known_noise()  # as importing lightdist does there
+        warnings.warn_explicit(message, category, "somewhere.py", 1, module=module)
+    return bool(caught)
+
+
+def test_the_checkpoint_process_says_only_what_is_wrong() -> None:
+    assert not shown("root", logging.INFO, "Waiting for checkpoint save request...", CHECKPOINT_PROCESS)
+    assert shown("root", logging.ERROR, "Checkpoint background process failed", CHECKPOINT_PROCESS)
+    assert shown("root", logging.INFO, "my own line")
+
+
+def test_only_the_device_mesh_unpickling_warning_is_dropped() -> None:
+    mesh = "torch.distributed.device_mesh"
+    pickled = "It seems like pickling/unpickling of the DeviceMesh occurred before the PGs were created. This ..."
+    assert not shown(mesh, logging.WARNING, pickled)
+    assert shown(mesh, logging.WARNING, "any other warning of the DeviceMesh")
+
+
+def test_deprecations_that_are_not_the_users_are_dropped_and_the_users_own_warnings_show() -> None:
+    set_vital = "'set_vital' is deprecated, please do not call"
+    assert not warned(set_vital, UserWarning, "torchdata.stateful_dataloader.stateful_dataloader")
+    assert not warned("`isinstance(treespec, LeafSpec)` is deprecated, use ...", FutureWarning, "lightning")
+    assert warned(set_vital, UserWarning, "my_training_script")
+    assert warned("my learning rate looks high", UserWarning, "my_training_script")
+
+
+def test_debug_shows_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTDIST_LOG", "debug")
+    assert shown("root", logging.INFO, "Waiting for checkpoint save request...", CHECKPOINT_PROCESS)
+    assert shown("lightning.pytorch.utilities.rank_zero", logging.INFO, "💡 Tip: try our logger")
+
+
+class _Tiny(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(2))
+
+    def training_step(self, batch, batch_idx):
+        for layer in self.layers:
+            batch = layer(batch)
+        return batch.sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _ReadBar(Callback):
+    def on_train_end(self, trainer, pl_module) -> None:
+        bar = trainer.progress_bar_callback
+        self.shown = type(bar).__name__, bar.get_metrics(trainer, pl_module)
+
+
+class _MyBar(RichProgressBar):
+    pass
+
+
+def bars_shown() -> list[tuple[str, dict]]:
+    shown = []
+    for bar in (RichProgressBar(), _MyBar()):
+        reader = _ReadBar()
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=ParallelStrategy(),
+            max_steps=3,
+            logger=False,
+            enable_checkpointing=False,
+            callbacks=[bar, reader],
+        )
+        trainer.fit(_Tiny(), torch.utils.data.DataLoader(torch.ones(8, 2), batch_size=2))
+        shown.append(reader.shown)
+    return shown
+
+
+def test_the_progress_bar_counts_steps_toward_max_steps_and_a_users_own_bar_is_left_alone() -> None:
+    (ours, metrics), (theirs, _) = run_ranks(1, bars_shown)[0]
+    assert ours == "RichStepProgressBar" and metrics["step"] == "3/3" and "v_num" not in metrics
+    assert theirs == "_MyBar"
