@@ -36,7 +36,6 @@ from torch.distributed._composable import checkpoint as checkpoint_module
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
-from torch.distributed.pipelining._IR import _modify_graph_op_device
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -113,6 +112,9 @@ def drop_pipeline_split_markers(block: nn.Module) -> None:
 def move_graph_to_device(stage: torch.fx.GraphModule, device: torch.device) -> None:
     """Make a traced stage's factory calls (``torch.zeros(..., device=...)``) make tensors on ``device``: the tracer
     records the example's device in them."""
+    # Imported here: the tracer's module loads torch's compiler stack, which only a traced pipeline needs.
+    from torch.distributed.pipelining._IR import _modify_graph_op_device
+
     _modify_graph_op_device(stage, device)
 
 

@@ -20,10 +20,10 @@ if TYPE_CHECKING:
 __all__ = ["run_header"]
 
 
-def run_header(strategy: ParallelStrategy, trainer: pl.Trainer, config: ParallelConfig) -> str:
-    """The header of ``trainer``'s run, from the whole module (call it before the module is split)."""
+def run_header(strategy: ParallelStrategy, trainer: pl.Trainer, config: ParallelConfig, parameters: int) -> str:
+    """The header of ``trainer``'s run, from the whole module of ``parameters`` elements (call it before the module
+    is split)."""
     module, layout, run = strategy.lightning_module, strategy.layout, config.as_run(strategy.layout)
-    parameters = sum(p.numel() for p in module.parameters())
     device = "GPU" if strategy.root_device.type == "cuda" else f"{strategy.root_device.type.upper()} rank"
     lines = [
         f"lightdist: {type(module).__name__}, {_count(parameters)} parameters, on {layout.world_size} {device}"

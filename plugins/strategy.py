@@ -150,7 +150,7 @@ class ParallelStrategy(MeshStrategy):
         self.accelerator.setup(trainer)
         parameters = sum(p.numel() for p in self.lightning_module.parameters())  # whole, before it is split
         if trainer.is_global_zero:
-            rank_zero_info(run_header(self, trainer, self._config))
+            rank_zero_info(run_header(self, trainer, self._config, parameters))
         refuse_metrics_on_meta(self.lightning_module)
         self.model = self._parallelize(self.lightning_module)
         reduce_metrics_over(self.lightning_module, self.device_mesh["dp"].get_group())
