@@ -4,7 +4,8 @@
 ``--trainer.strategy.init_args.zero_stage=2``, and a registered name works as ``--trainer.strategy=lightdist_zero2``.
 ``lightdist plan --config ...`` shows what tensor parallelism will do to the model, without allocating it.
 ``lightdist export CKPT OUT`` turns a sharded checkpoint into weights for the plain model (safetensors, torch, or a
-Hugging Face model). ``lightdist fit --config ... --launcher ray --num-workers N`` trains on Ray Train's workers.
+Hugging Face model). ``lightdist timeline DIR`` draws the pipeline schedule of the traces ``ProfileSteps`` wrote.
+``lightdist fit --config ... --launcher ray --num-workers N`` trains on Ray Train's workers.
 ``--verbose`` (or ``LIGHTDIST_LOG=debug``) shows the third-party messages lightdist silences (``lightdist/quiet.py``).
 """
 
@@ -16,14 +17,19 @@ import sys
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
 import lightdist.plugins  # noqa: F401  (registers the strategy names before the config is parsed)
-from lightdist import export, plan
+from lightdist import export, plan, timeline
 
 __all__ = ["main"]
 
-# lightdist's own commands, beside Lightning's fit, validate, test and predict.
+# lightdist's own commands, beside Lightning's fit, validate, test and predict: each one's entry point, and what it
+# does.
 COMMANDS = {
-    "plan": "how a model splits, what each layout costs per GPU, and which to use, without allocating it",
-    "export": "a sharded checkpoint as weights for the plain model: safetensors, torch, or a Hugging Face model",
+    "plan": (plan.main, "how a model splits, what each layout costs per GPU, and which to use, without allocating it"),
+    "export": (
+        export.main,
+        "a sharded checkpoint as weights for the plain model: safetensors, torch, or a Hugging Face model",
+    ),
+    "timeline": (timeline.main, "the pipeline schedule of the traces ProfileSteps wrote, as one SVG of every rank"),
 }
 
 
@@ -36,13 +42,10 @@ def main(args: ArgsType = None) -> None:
         os.environ["LIGHTDIST_LOG"] = "debug"  # the ranks and their checkpoint processes inherit it
     if not argv or argv[0] in ("-h", "--help"):
         print("lightdist: Lightning's commands (fit, validate, test, predict; their help below), and")
-        print("\n".join(f"  {name:<8}{what}" for name, what in COMMANDS.items()))
+        print("\n".join(f"  {name:<10}{what}" for name, (_, what) in COMMANDS.items()))
         print("  --verbose also shows the third-party messages lightdist silences\n")
-    if argv[:1] == ["plan"]:
-        plan.main(argv[1:])
-        return
-    if argv[:1] == ["export"]:
-        export.main(argv[1:])
+    if argv[:1] and argv[0] in COMMANDS:
+        COMMANDS[argv[0]][0](argv[1:])
         return
     if any(arg == "--launcher" or arg.startswith("--launcher=") for arg in argv):
         from lightdist import ray  # Ray's import is heavy, and Ray is an extra

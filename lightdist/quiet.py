@@ -51,6 +51,10 @@ def silence_known_noise() -> None:
         )
         # Lightning's advertisement for its paid logger, on every run.
         logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_Drop(message="💡 Tip:"))
+    if not verbose():
+        # torch's profiler (kineto, in C++) prints each stage of every profile it takes ("Completed Stage: Warm Up")
+        # below its errors; it reads the level as each profile starts.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "4")
     _ignore_known_warnings()
 
 

@@ -55,6 +55,8 @@ class WandbLogger(LightningWandbLogger):
             # W&B's own lines (its version, where the run is saved, its hints) say what the run's header says.
             os.environ.setdefault("WANDB_SILENT", "true")
         super().__init__(offline=offline, save_dir=save_dir, log_model=log_model, **kwargs)
+        if "anonymous" in self._wandb_init and self._wandb_init["anonymous"] is None:
+            del self._wandb_init["anonymous"]  # wandb warns that the setting, even None, does nothing
         self._runs_offline = offline
 
     @property

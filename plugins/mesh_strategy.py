@@ -3,8 +3,9 @@
 ``ParallelStrategy`` trains on the mesh; this layer makes it. The layout's sizes are checked against the world size as
 soon as the Trainer knows its devices, before any process starts; the processes meet in their start's round of the
 store (a restarted rank cannot meet a rank of the start before); every group waits ``collective_timeout``; each rank
-beats a heartbeat into the store, so the rank a collective timed out on is named; ``sync_dist`` reduces over the
-data-parallel ranks, who alone see different batches.
+beats a heartbeat into the store, so the rank a collective timed out on is named; the rank that failed first prints
+its traceback, the others one line each (``lightdist/failures.py``); ``sync_dist`` reduces over the data-parallel
+ranks, who alone see different batches.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
+from lightdist.failures import FailureReport
 from lightdist.heartbeat import Heartbeat, name_the_silent_rank
 from lightdist.layout import ParallelLayout, ParallelMesh
 from lightdist.parallelize import ParallelConfig
@@ -29,7 +31,7 @@ from lightdist.plugins.auto_layout import LayoutRequest
 from lightdist.plugins.lightning_internals import connect_process_group, give_device_mesh
 from lightdist.plugins.resume import ResumesLast, resuming_launcher
 from lightdist.restarts import nodes_started_by_torchrun, round_store
-from lightdist.torch_internals import set_group_timeout
+from lightdist.torch_internals import default_store, set_group_timeout
 
 __all__ = ["MeshStrategy"]
 
@@ -52,6 +54,7 @@ class MeshStrategy(ModelParallelStrategy):
         self._mesh: ParallelMesh | None = None
         self._resuming_launcher: ResumesLast | None = None
         self._heartbeat: Heartbeat | None = None
+        self._failures: FailureReport | None = None
 
     @property
     def layout(self) -> ParallelLayout:
@@ -159,6 +162,8 @@ class MeshStrategy(ModelParallelStrategy):
         give_device_mesh(self.lightning_module, self._mesh)
         if self._heartbeat is None:
             self._heartbeat = Heartbeat.started(self.global_rank, self.world_size, self._collective_timeout)
+        if self.world_size > 1:
+            self._failures = FailureReport(default_store(), self.global_rank)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -170,6 +175,8 @@ class MeshStrategy(ModelParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         name_the_silent_rank(exception, self._heartbeat, self.world_size)
+        if self._failures is not None:
+            self._failures.report(exception)
 
     @override
     def reduce(

@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.optim import Optimizer
+from torch.profiler import record_function
 from torchmetrics import Metric
 
 from lightdist.parallelize import ParallelConfig, Parallelized
@@ -56,7 +57,11 @@ __all__ = ["PipelineStep", "StageClock", "example_model_call", "model_call_of", 
 
 class StageClock:
     """Seconds this rank's stages compute, and seconds their schedule runs: for the rest of the schedule's time, the
-    stages wait on each other (the pipeline's bubble). On GPUs CUDA events time the kernels, read once per step."""
+    stages wait on each other (the pipeline's bubble). On GPUs CUDA events time the kernels, read once per step.
+
+    Each stage's forward and backward of each microbatch is also a span of its own in a profiler's trace ("stage 1
+    forward, microbatch 3"), whichever schedule runs them: a trace shows the schedule, and its bubble, as a timeline.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.busy_s = self.scheduled_s = 0.0
@@ -76,13 +81,14 @@ class StageClock:
         end.record()
         self._pending.append((kind, start, end))
 
-    def timed(self, compute: Callable[..., Any]) -> Callable[..., Any]:
-        """``compute`` (a stage's forward or backward of one microbatch), counted as busy."""
+    def timed(self, compute: Callable[..., Any], name: str) -> Callable[..., Any]:
+        """``compute`` (a stage's forward or backward of one microbatch, its first argument), counted as busy and
+        named ``name`` in a profiler's trace."""
 
         @wraps(compute)
-        def timed_compute(*args: Any, **kwargs: Any) -> Any:
-            with self.timing("busy"):
-                return compute(*args, **kwargs)
+        def timed_compute(microbatch: int, *args: Any, **kwargs: Any) -> Any:
+            with self.timing("busy"), record_function(f"{name}, microbatch {microbatch}"):
+                return compute(microbatch, *args, **kwargs)
 
         return timed_compute
 
@@ -98,6 +104,14 @@ class StageClock:
             self.busy_s += seconds
         else:
             self.scheduled_s += seconds
+
+
+# A stage's computations the schedules call, one microbatch each, and their names in a trace.
+_STAGE_COMPUTE = {
+    "forward_one_chunk": "forward",
+    "backward_one_chunk": "backward",
+    "backward_weight_one_chunk": "weight gradients",
+}
 
 
 class _ModelCalled(Exception):
@@ -213,8 +227,8 @@ class PipelineStep:
         self.metrics = metrics_of(module)
         self.clock = StageClock(stages[0].device)
         for stage in stages:
-            for compute in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                setattr(stage, compute, self.clock.timed(getattr(stage, compute)))
+            for compute, name in _STAGE_COMPUTE.items():
+                setattr(stage, compute, self.clock.timed(getattr(stage, compute), f"stage {stage.stage_index} {name}"))
         # The schedule's first training step calls the loss once more, before any microbatch, on made-up outputs: it
         # learns the shapes of the gradients that flow between stages. That call must leave no trace.
         self._gradient_shapes_known = False

@@ -19,11 +19,13 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DistributedSampler
 
+from lightdist.layout import ParallelLayout
 from lightdist.rng import rng_state
 
 __all__ = ["deal_samples_in_turn", "gather_rank_states", "take_rank_state"]
 
 _KEY = "lightdist_ranks"
+_LAYOUT = "lightdist_layout"
 _LOADERS = "combined_loader"  # the fit loop's data loader states, in Lightning's checkpoint
 
 
@@ -35,13 +37,19 @@ def deal_samples_in_turn(train_dataloader: Any) -> bool:
 
 
 def gather_rank_states(
-    checkpoint: dict[str, Any], device: torch.device, data_parallel: tuple[int, int], in_turn: bool
+    checkpoint: dict[str, Any],
+    device: torch.device,
+    layout: ParallelLayout,
+    data_parallel: tuple[int, int],
+    in_turn: bool,
 ) -> None:
-    """Add every rank's random state and data loader position to rank 0's ``checkpoint``; every rank calls it.
+    """Add the layout, and every rank's random state and data loader position, to rank 0's ``checkpoint``; every
+    rank calls it.
 
     ``data_parallel``: this rank's (index, size) among the data-parallel ranks, which is what its loader's shard
     depends on. ``in_turn``: whether its loaders deal samples to the ranks in turn (``deal_samples_in_turn``).
     """
+    checkpoint[_LAYOUT] = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp}
     loaders = _fit_loop(checkpoint).get("state_dict", {}).get(_LOADERS)
     own = {"rng": rng_state(device), "data_parallel": data_parallel, "loaders": loaders, "in_turn": in_turn}
     every_rank = [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
@@ -50,14 +58,21 @@ def gather_rank_states(
 
 
 def take_rank_state(
-    checkpoint: dict[str, Any], *, rank: int, world_size: int, data_parallel: tuple[int, int]
+    checkpoint: dict[str, Any], *, rank: int, layout: ParallelLayout, data_parallel: tuple[int, int]
 ) -> dict[str, Any] | None:
     """Put this rank's data loader position where Lightning restores it from, and return its random state, to be
-    restored when training starts; ``None`` where no saved rank's draws would continue here.
+    restored when training starts; ``None`` where no saved rank's draws would continue here. Says so where the
+    checkpoint was saved under another layout than ``layout``, this run's.
 
     A checkpoint saved on an epoch's last batch keeps no position: Lightning would restore it whenever training counts
     steps, and a loader that ``limit_train_batches`` cut short would start the next epoch where this one stopped.
     """
+    saved_layout = checkpoint.pop(_LAYOUT, None)
+    if saved_layout is not None and ParallelLayout(**saved_layout) != layout:
+        rank_zero_info(
+            f"lightdist: the checkpoint was saved under {ParallelLayout(**saved_layout)} and is resharded for this "
+            f"run's {layout}"
+        )
     every_rank = checkpoint.pop(_KEY, None)
     fit_loop = _fit_loop(checkpoint)
     loop_state = fit_loop.get("state_dict", {})
@@ -78,9 +93,9 @@ def take_rank_state(
                 " split evenly over the new ranks. The interrupted epoch starts again from its first batch. Resume at"
                 " an epoch boundary, or on as many data-parallel ranks, to see each sample once."
             )
-    if len(every_rank) != world_size:
+    if len(every_rank) != layout.world_size:
         rank_zero_info(
-            f"lightdist: the checkpoint holds the random states of {len(every_rank)} ranks, not {world_size}:"
+            f"lightdist: the checkpoint holds the random states of {len(every_rank)} ranks, not {layout.world_size}:"
             " each rank keeps its seeded random state, so dropout draws other masks than the saved run would have."
         )
         return None

@@ -340,7 +340,7 @@ class ParallelStrategy(MeshStrategy):
         """
         trainer = self.lightning_module.trainer
         in_turn = deal_samples_in_turn(trainer.train_dataloader)
-        gather_rank_states(checkpoint, self.root_device, data_parallel=self._data_parallel, in_turn=in_turn)
+        gather_rank_states(checkpoint, self.root_device, self.layout, self._data_parallel, in_turn)
         checkpoint["state_dict"] = buffers_copied(self.lightning_module, checkpoint["state_dict"])
         url = self.broadcast(str(filepath))  # rank 0's path, so every rank writes into one checkpoint
         running = trainer.state.status == TrainerStatus.RUNNING
@@ -366,7 +366,7 @@ class ParallelStrategy(MeshStrategy):
             weights_only=weights_only,
         )
         self._rng_state_to_restore = take_rank_state(
-            checkpoint, rank=self.global_rank, world_size=self.world_size, data_parallel=self._data_parallel
+            checkpoint, rank=self.global_rank, layout=self.layout, data_parallel=self._data_parallel
         )
         return checkpoint
 

@@ -48,6 +48,9 @@ SHELL_BLOCKS = {
     ".venv/bin/lightdist fit --config configs/tp2_zero3_cpu.yaml --launcher ray --num-workers 4 --max-failures 1": (
         "tests/test_ray.py::test_lightdist_fit_runs_a_config_on_ray_and_reports_its_metrics"
     ),
+    "lightdist timeline runs/3d/traces": (
+        "tests/test_pipeline.py::test_a_profiled_step_traces_each_stage_forward_and_backward_per_microbatch"
+    ),
     'lightdist plan --model lightdist.models.Llama --init-args \'{"preset": "70b"}\' --tp 8\nlightdist plan --model '
     'lightdist.models.Llama --init-args \'{"preset": "70b"}\' --pp 8\nlightdist plan --config configs/3d_cpu.yaml': (
         RUN_HERE

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import tempfile
+import xml.etree.ElementTree as ElementTree
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,13 +14,15 @@ from lightning.pytorch import Trainer, seed_everything
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import DataLoader
 
+from lightdist.cli import main
 from lightdist.models import Llama, TokenDataModule
 from lightdist.pipeline.structural import ModelCall, balanced_split
-from lightdist.plugins import ParallelStrategy
+from lightdist.plugins import ParallelStrategy, ProfileSteps
 from lightdist.plugins.pipeline_step import model_call_of
+from lightdist.timeline import stage_spans
 
 from multirank import run_each, run_ranks
-from training import MODELS
+from training import MODELS, Case, train
 
 
 def test_stages_balance_parameters_counting_embeddings_and_head() -> None:
@@ -159,6 +164,32 @@ def test_predict_through_a_pipeline_matches_one_process() -> None:
     torch.testing.assert_close(first, last, rtol=0, atol=0)  # every rank returns the last stage's predictions
 
 
+def profile_second_step(schedule: str, traces: str) -> None:
+    case = Case(strategy=dict(pipeline_parallel_size=2, microbatches=4, pipeline_schedule=schedule), steps=2)
+    train(case, devices=2, callbacks=[ProfileSteps(steps=[1], dirpath=traces)])
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("schedule", "stages"), [("1f1b", [[0], [1]]), ("interleaved_1f1b", [[0, 2], [1, 3]])])
+def test_a_profiled_step_traces_each_stage_forward_and_backward_per_microbatch(
+    schedule: str, stages: list[list[int]], tmp_path: Path
+) -> None:
+    traces = pipeline_results()[f"traces_{schedule}"]
+    for rank, rank_stages in enumerate(stages):
+        spans = stage_spans(traces / f"rank{rank}.json")
+        assert sorted((span.stage, span.kind, span.microbatch) for span in spans) == sorted(
+            (stage, kind, microbatch)
+            for stage in rank_stages
+            for kind in ("forward", "backward")
+            for microbatch in range(4)
+        )
+    # Every rank's spans, drawn as one timeline: a box per stage, computation and microbatch.
+    main(["timeline", str(traces), "--output", str(tmp_path / "timeline.svg")])
+    drawing = ElementTree.parse(tmp_path / "timeline.svg").getroot()
+    boxes = [box for box in drawing.iter("{http://www.w3.org/2000/svg}rect") if box.find("{*}title") is not None]
+    assert len(boxes) == 2 * 2 * 4 * len(stages[0])
+
+
 PP2 = dict(pipeline_parallel_size=2, microbatches=2)
 
 
@@ -171,8 +202,10 @@ def pipeline_results() -> dict[str, tuple]:
     }
     calls["predict_zero_bubble"] = (predict, (dict(PP2, pipeline_schedule="zero_bubble"), 2))
     calls["validate_built_on_meta"] = (validate_built_on_meta, (dict(PP2, pipeline_tracer=True), 2))
+    traces = {f"traces_{name}": Path(tempfile.mkdtemp(prefix="traces-")) for name in ("1f1b", "interleaved_1f1b")}
+    calls |= {name: (profile_second_step, (name.removeprefix("traces_"), str(path))) for name, path in traces.items()}
     first, last = run_ranks(2, run_each, list(calls.values()))
-    return dict(zip(calls, zip(first, last, strict=True), strict=True))
+    return dict(zip(calls, zip(first, last, strict=True), strict=True)) | traces
 
 
 @cache

@@ -7,7 +7,7 @@ import torch
 from fsspec import AbstractFileSystem
 
 from multirank import run_each, run_ranks
-from training import Case, Result, StopAfter, checkpoint_files, keep_two_newest, listing, train
+from training import WEIGHT_ATOL, Case, Result, StopAfter, checkpoint_files, keep_two_newest, listing, train
 
 pytestmark = pytest.mark.multirank
 
@@ -128,4 +128,4 @@ def assert_continues(uninterrupted: Result, resumed_run: Result) -> None:
     assert len(resumed_run.losses) == EPOCH
     torch.testing.assert_close(resumed_run.losses, uninterrupted.losses[EPOCH:], rtol=1e-5, atol=0)
     for key, value in uninterrupted.params.items():
-        torch.testing.assert_close(resumed_run.params[key], value, rtol=1e-5, atol=1e-5, msg=key)
+        torch.testing.assert_close(resumed_run.params[key], value, rtol=1e-5, atol=WEIGHT_ATOL, msg=key)

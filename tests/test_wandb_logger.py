@@ -86,3 +86,14 @@ def test_misconfiguration_fails_when_the_logger_is_made_naming_the_setting(
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=re.escape(message)):
         WandbLogger(**options)
+
+
+def test_an_offline_run_starts_without_wandbs_warning_about_lightnings_anonymous_setting(
+    no_wandb_login: None, tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
+    logger = WandbLogger(project="lightdist", save_dir=tmp_path, offline=True)
+    try:
+        assert logger.experiment.offline
+    finally:
+        logger.experiment.finish()
+    assert "anonymous" not in capfd.readouterr().err
