@@ -26,8 +26,8 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-from torch.distributed.tensor import DTensor
 
+from lightdist.sharding import local_tensor
 from lightdist.storage import commit, is_complete, remove, write_pointer
 from lightdist.torch_internals import FsspecWriter
 
@@ -221,7 +221,7 @@ def buffers_copied(module: nn.Module, state_dict: dict[str, Any]) -> dict[str, A
     """
 
     def address(tensor: Tensor) -> int:
-        return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).data_ptr()
+        return local_tensor(tensor).data_ptr()
 
     buffers = {address(buffer) for buffer in module.buffers()}
     return {

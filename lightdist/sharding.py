@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from lightdist.torch_internals import replicate
 
-__all__ = ["ShardedOptimizer", "ZeroStage", "apply_data_parallel"]
+__all__ = ["ShardedOptimizer", "ZeroStage", "apply_data_parallel", "local_tensor"]
 
 ZeroStage = Literal[0, 1, 2, 3]
 
@@ -102,7 +102,7 @@ class ShardedOptimizer(Optimizer):
         self.optimizer.step()
         with torch.no_grad():
             handles = [
-                dist.broadcast(_local(param), group_src=owner, group=self._group, async_op=True)
+                dist.broadcast(local_tensor(param), group_src=owner, group=self._group, async_op=True)
                 for param, owner in self._owners.items()
             ]
             for handle in handles:
@@ -141,5 +141,6 @@ def _deal_out(params: list[Tensor], ranks: int) -> dict[Tensor, int]:
     return owners
 
 
-def _local(tensor: Tensor) -> Tensor:
+def local_tensor(tensor: Tensor) -> Tensor:
+    """This rank's share of ``tensor``: a DTensor's local tensor, or the tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor

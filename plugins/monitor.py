@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import resource
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightdist.plugins.strategy import ParallelStrategy
+from lightdist.sharding import local_tensor
 from lightdist.throughput import DecoderFlops, device_peak_flops
 
 __all__ = ["TrainingMonitor", "sequences_and_length"]
@@ -54,6 +55,11 @@ class TrainingMonitor(Callback):
       over the devices' peak (known GPUs' datasheet figures, or ``peak_tflops``); absent where no peak is known.
     - ``memory/peak_gib``: the most memory any rank held: on GPUs the peak allocated since the last log, on CPUs the
       process's peak resident memory.
+    - ``memory/parameters_gib``, ``memory/gradients_gib``, ``memory/optimizer_gib``: the most any rank holds of the
+      model's parameters, their gradients (as the optimizer steps) and the optimizer's state: its own shards, measured.
+      On GPUs ``memory/activations_gib``: the rest of the peak, the activations and the buffers a step needs beside
+      them (ZeRO's gathered parameters, communication buffers). Under ``ParallelStrategy`` the planner's estimate of
+      each part goes beside them (``memory/planned_parameters_gib``, ...; ``lightdist plan``'s figures).
     - ``checkpoint/blocked_s``: seconds per step that training waited on checkpoint saves.
     - ``pipeline/bubble``: the share of the pipeline schedule's time its stages spent waiting on each other (pp > 1).
     - ``train/grad_norm``: the whole model's gradient norm, over every stage and shard, before clipping.
@@ -90,6 +96,7 @@ class TrainingMonitor(Callback):
         self._blocked_before = 0.0
         self._pipeline_before = (0.0, 0.0)
         self._grad_norm: Tensor | None = None
+        self._gradient_bytes = 0.0
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -123,6 +130,7 @@ class TrainingMonitor(Callback):
     ) -> None:
         if (trainer.global_step + 1) % self._every == 0:
             self._grad_norm = _gradient_norm(trainer, optimizer)
+            self._gradient_bytes = _held_bytes(p.grad for p in pl_module.parameters() if p.grad is not None)
 
     @override
     def on_train_batch_end(
@@ -134,6 +142,7 @@ class TrainingMonitor(Callback):
         if step == self._window_first_step or step % self._every or self._grad_norm is None:
             return  # accumulating, or not a step to log
         metrics = self._measure(trainer, steps=step - self._window_first_step)
+        metrics |= _memory_parts(trainer, pl_module, self._gradient_bytes)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step - 1)  # where Lightning logs the loss of the same step
         for name, value in metrics.items():
@@ -151,7 +160,6 @@ class TrainingMonitor(Callback):
             "perf/step_time_s": elapsed / steps,
             "perf/tokens_per_s": tokens_per_s,
             "perf/tokens_per_s_per_device": tokens_per_s / trainer.world_size,
-            "memory/peak_gib": _peak_memory_over_ranks(strategy.root_device) / 2**30,
             "train/grad_norm": self._grad_norm.item(),
         }
         if self._flops is not None and self._peak_flops is not None:
@@ -186,17 +194,40 @@ def _gradient_norm(trainer: pl.Trainer, optimizer: Optimizer) -> Tensor:
     return torch.nn.utils.get_total_norm(grads)
 
 
-def _peak_memory_over_ranks(device: torch.device) -> float:
-    """Bytes: the most any rank held since the window began (GPUs), or in its life (CPUs: that peak cannot be reset)."""
+def _memory_parts(trainer: pl.Trainer, module: nn.Module, gradient_bytes: float) -> dict[str, float]:
+    """GiB: the most any rank held since the window began (GPUs), or in its life (CPUs: that peak cannot be reset),
+    and the most any rank holds of each part of the training state; the planner's estimate of each beside them."""
+    device = trainer.strategy.root_device
     if device.type == "cuda":
         peak = float(torch.cuda.max_memory_allocated(device))
     else:
         peak = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
-    if not dist.is_initialized():
-        return peak
-    peak_tensor = torch.tensor(peak, dtype=torch.float64, device=device)
-    dist.all_reduce(peak_tensor, op=dist.ReduceOp.MAX)
-    return peak_tensor.item()
+    parameters = _held_bytes(p for p in module.parameters() if not p.is_meta)  # a pipeline stage holds its own
+    optimizer = _held_bytes(
+        value for opt in trainer.optimizers for state in opt.state.values() for value in state.values()
+    )
+    held = {"peak": peak, "parameters": parameters, "gradients": gradient_bytes, "optimizer": optimizer}
+    if device.type == "cuda":
+        held["activations"] = peak - parameters - gradient_bytes - optimizer
+    values = torch.tensor(list(held.values()), dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    metrics = {f"memory/{part}_gib": value / 2**30 for part, value in zip(held, values.tolist(), strict=True)}
+    planned = trainer.strategy.planned_memory if isinstance(trainer.strategy, ParallelStrategy) else None
+    if planned is not None:  # on rank 0, which logs
+        parts = {
+            "parameters": planned.params,
+            "gradients": planned.grads,
+            "optimizer": planned.optimizer,
+            "activations": planned.activations,
+        }
+        metrics |= {f"memory/planned_{part}_gib": size / 2**30 for part, size in parts.items()}
+    return metrics
+
+
+def _held_bytes(tensors: Iterable[Any]) -> float:
+    """Bytes of this rank's share of the tensors among ``tensors``."""
+    return float(sum(local_tensor(t).numel() * t.element_size() for t in tensors if isinstance(t, Tensor)))
 
 
 def _pipeline_time(strategy: ParallelStrategy) -> tuple[float, float]:

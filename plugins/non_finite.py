@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+
+from lightdist.sharding import local_tensor
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -93,5 +94,4 @@ class NonFiniteGuard:
 
 
 def _finite(gradient: Tensor) -> bool:
-    local = gradient.to_local() if isinstance(gradient, DTensor) else gradient
-    return bool(torch.isfinite(local).all())
+    return bool(torch.isfinite(local_tensor(gradient)).all())

@@ -7,9 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightdist.parallelize import ParallelConfig
-from lightdist.planner import GiB
+from lightdist.planner import Estimate, GiB
 from lightdist.plugins.auto_layout import planned_layout
 
 if TYPE_CHECKING:
@@ -17,12 +18,34 @@ if TYPE_CHECKING:
 
     from lightdist.plugins.strategy import ParallelStrategy
 
-__all__ = ["run_header"]
+__all__ = ["announce_run", "run_header"]
 
 
-def run_header(strategy: ParallelStrategy, trainer: pl.Trainer, config: ParallelConfig, parameters: int) -> str:
-    """The header of ``trainer``'s run, from the whole module of ``parameters`` elements (call it before the module
-    is split)."""
+def announce_run(
+    strategy: ParallelStrategy, trainer: pl.Trainer, config: ParallelConfig, parameters: int
+) -> Estimate | None:
+    """Print the run's header on rank 0 and record how it is split in every logger, from the whole module of
+    ``parameters`` elements (call it before the module is split). Returns the planner's estimate of the most loaded
+    rank's memory on rank 0, where the module declares its batch's size; ``None`` elsewhere."""
+    estimate = None
+    if trainer.is_global_zero:
+        estimate, why_not = _planned_memory(strategy, config)
+        rank_zero_info(run_header(strategy, trainer, config, parameters, estimate, why_not))
+    for logger in trainer.loggers:
+        logger.log_hyperparams({"lightdist": {**strategy.run_config, "parameters": parameters}})
+    return estimate
+
+
+def run_header(
+    strategy: ParallelStrategy,
+    trainer: pl.Trainer,
+    config: ParallelConfig,
+    parameters: int,
+    estimate: Estimate | None,
+    why_not: str = "",
+) -> str:
+    """The header of ``trainer``'s run, from the whole module of ``parameters`` elements and the planner's
+    ``estimate`` of its memory (or why there is none)."""
     module, layout, run = strategy.lightning_module, strategy.layout, config.as_run(strategy.layout)
     device = "GPU" if strategy.root_device.type == "cuda" else f"{strategy.root_device.type.upper()} rank"
     lines = [
@@ -39,12 +62,12 @@ def run_header(strategy: ParallelStrategy, trainer: pl.Trainer, config: Parallel
         split.append(f"{run['activation_checkpointing']} activation checkpointing")
     if split:
         lines.append("  " + ", ".join(split))
-    lines += _memory(strategy, config) + _destinations(trainer, strategy)
+    lines += _memory(estimate, why_not) + _destinations(trainer, strategy)
     return "\n".join(lines)
 
 
-def _memory(strategy: ParallelStrategy, config: ParallelConfig) -> list[str]:
-    """The planner's estimate of the most loaded rank's memory, where the module declares its batch's size."""
+def _planned_memory(strategy: ParallelStrategy, config: ParallelConfig) -> tuple[Estimate | None, str]:
+    """The planner's estimate of the most loaded rank's memory under the run's layout, or why there is none."""
     layout = strategy.layout
     try:
         _, estimate = planned_layout(
@@ -58,7 +81,13 @@ def _memory(strategy: ParallelStrategy, config: ParallelConfig) -> list[str]:
             config=config,
         )
     except Exception as error:  # the header must not stop a run: no seq_len and batch_size, a model it cannot trace
-        return [f"  memory per rank: not estimated ({str(error).splitlines()[0][:120]})"]
+        return None, str(error).splitlines()[0][:120]
+    return estimate, ""
+
+
+def _memory(estimate: Estimate | None, why_not: str) -> list[str]:
+    if estimate is None:
+        return [f"  memory per rank: not estimated ({why_not})"]
     parts = ", ".join(
         f"{name} {_size(size)}"
         for name, size in (

@@ -44,7 +44,7 @@ from lightdist.plugins.non_finite import NonFiniteGuard, NonFinitePolicy, NonFin
 from lightdist.plugins.options import validate_options
 from lightdist.plugins.pipeline_step import PipelineStep, example_model_call, pipeline_step_over
 from lightdist.plugins.rank_state import deal_samples_in_turn, gather_rank_states, take_rank_state
-from lightdist.plugins.run_header import run_header
+from lightdist.plugins.run_header import announce_run
 from lightdist.plugins.strategy_names import STRATEGY_NAMES
 from lightdist.rng import set_rng_state
 from lightdist.sharding import ShardedOptimizer, ZeroStage
@@ -54,6 +54,8 @@ from lightdist.tensor_parallel import TensorParallelStyle, reorder_optimizer_sta
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightdist.planner import Estimate
 
 __all__ = ["ParallelStrategy"]
 
@@ -140,6 +142,7 @@ class ParallelStrategy(MeshStrategy):
         self._parallelized: Parallelized | None = None
         self._pipeline_step: PipelineStep | None = None
         self._rng_state_to_restore: dict[str, Any] | None = None
+        self.planned_memory: Estimate | None = None  # the planner's, on rank 0: TrainingMonitor logs it beside its own
 
     @property
     def zero_stage(self) -> int:
@@ -149,8 +152,7 @@ class ParallelStrategy(MeshStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         self.accelerator.setup(trainer)
         parameters = sum(p.numel() for p in self.lightning_module.parameters())  # whole, before it is split
-        if trainer.is_global_zero:
-            rank_zero_info(run_header(self, trainer, self._config, parameters))
+        self.planned_memory = announce_run(self, trainer, self._config, parameters)
         refuse_metrics_on_meta(self.lightning_module)
         self.model = self._parallelize(self.lightning_module)
         reduce_metrics_over(self.lightning_module, self.device_mesh["dp"].get_group())
@@ -171,8 +173,6 @@ class ParallelStrategy(MeshStrategy):
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_norm_across_stages
         if trainer.state.fn == TrainerFn.FITTING and not self._config.cpu_offload:
             optimizers_to_device(self.optimizers, self.root_device)
-        for logger in trainer.loggers:
-            logger.log_hyperparams({"lightdist": {**self.run_config, "parameters": parameters}})
 
     @property
     def run_config(self) -> dict[str, Any]:

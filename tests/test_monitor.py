@@ -74,6 +74,9 @@ def train_with_monitor(save_dir: str) -> tuple[list[float], dict[str, float]]:
     return norms.norms, {name: float(value) for name, value in trainer.progress_bar_metrics.items()}
 
 
+WEIGHTS = sum(p.numel() for p in Llama("tiny").parameters()) * 4  # bytes in fp32
+
+
 def test_monitor_logs_throughput_mfu_memory_checkpoint_waits_and_gradient_norm(tmp_path: Path) -> None:
     norms, progress_bar = run_ranks(1, train_with_monitor, str(tmp_path))[0]
     with open(tmp_path / "run/version_0/metrics.csv") as file:
@@ -88,6 +91,14 @@ def test_monitor_logs_throughput_mfu_memory_checkpoint_waits_and_gradient_norm(t
         flops_per_token = DecoderFlops.of(Llama("tiny")).per_token(SEQ_LEN)
         assert float(row["perf/mfu"]) == pytest.approx(flops_per_token * tokens_per_s / (PEAK_TFLOPS * 1e12))
         assert float(row["memory/peak_gib"]) > 0.1  # the process's peak resident memory: torch alone takes more
+        # One rank holds every fp32 weight, its gradient and AdamW's two moments (and a step count per tensor).
+        gib = {part: float(row[f"memory/{part}_gib"]) * 2**30 for part in ("parameters", "gradients", "optimizer")}
+        assert gib == {"parameters": WEIGHTS, "gradients": WEIGHTS, "optimizer": pytest.approx(2 * WEIGHTS, rel=1e-3)}
+        # The planner's estimate beside them: ZeRO-3's parameters count one gathered block more.
+        assert float(row["memory/planned_gradients_gib"]) * 2**30 == pytest.approx(WEIGHTS, rel=1e-3)
+        assert float(row["memory/planned_optimizer_gib"]) * 2**30 == pytest.approx(2 * WEIGHTS, rel=1e-3)
+        assert WEIGHTS < float(row["memory/planned_parameters_gib"]) * 2**30 < 1.1 * WEIGHTS
+        assert float(row["memory/planned_activations_gib"]) > 0
         assert float(row["train/grad_norm"]) == pytest.approx(norms[step], rel=1e-5)
     assert float(rows[1]["checkpoint/blocked_s"]) == 0.0  # the first save comes after the 2nd step's figures
     assert float(rows[3]["checkpoint/blocked_s"]) > 0.0  # it staged the state in memory before training went on

@@ -13,8 +13,8 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
+from lightdist.sharding import local_tensor
 from lightdist.structure import DecoderStack
 
 __all__ = ["TiedGradients", "tied_across_stages", "tied_gradients", "tied_names"]
@@ -56,8 +56,7 @@ class TiedGradients:
 
     def sum(self) -> None:
         for parameter in self.parameters():
-            grad = parameter.grad
-            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
+            dist.all_reduce(local_tensor(parameter.grad), group=self.group)
 
 
 def tied_gradients(
