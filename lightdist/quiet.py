@@ -49,6 +49,11 @@ def silence_known_noise() -> None:
         logging.getLogger("torch.distributed.device_mesh").addFilter(
             _Drop(message="It seems like pickling/unpickling of the DeviceMesh occurred before the PGs were created")
         )
+        # DTensor's hint, once per rank, that the gradient norm's reduction over dp and tp takes two all-reduces where a
+        # flattened mesh would take one: of one number per step, which a process group more would not repay.
+        logging.getLogger("torch.distributed.tensor._redistribute").addFilter(
+            _Drop(message="While redistributing from (_NormPartial")
+        )
         # Lightning's advertisement for its paid logger, on every run.
         logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_Drop(message="💡 Tip:"))
     if not verbose():

@@ -34,6 +34,7 @@ NOISE = (
     "Tracking run with wandb version",
     "there is no last checkpoint available",
     "anonymous setting has no effect",
+    "flatten mesh dimensions",
 )
 QUICK = [
     "--trainer.devices=2",
