@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import warnings
 
 __all__ = ["silence_known_noise", "verbose"]
@@ -23,18 +24,18 @@ def verbose() -> bool:
 
 class _Drop(logging.Filter):
     """Drops the records below ``WARNING`` logged from the file ending ``path``, and those whose message starts with
-    ``message``, unless the user asked for every message."""
+    a match of the regular expression ``message``, unless the user asked for every message."""
 
     def __init__(self, *, path: str = "", message: str = "") -> None:
         super().__init__()
-        self.path, self.message = path, message
+        self.path, self.message = path, re.compile(message)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if verbose():
             return True
         if self.path:
             return record.levelno >= logging.WARNING or not record.pathname.endswith(self.path)
-        return not record.getMessage().startswith(self.message)
+        return not self.message.match(record.getMessage())
 
 
 def silence_known_noise() -> None:
@@ -52,7 +53,12 @@ def silence_known_noise() -> None:
         # DTensor's hint, once per rank, that the gradient norm's reduction over dp and tp takes two all-reduces where a
         # flattened mesh would take one: of one number per step, which a process group more would not repay.
         logging.getLogger("torch.distributed.tensor._redistribute").addFilter(
-            _Drop(message="While redistributing from (_NormPartial")
+            _Drop(message=r"While redistributing from \(_NormPartial")
+        )
+        # Lines every rank prints alike, which rank 0 prints too: its seed, and its place in the process group.
+        logging.getLogger("lightning.fabric.utilities.seed").addFilter(_Drop(message=r"\[rank: [1-9]\d*\] Seed set"))
+        logging.getLogger("lightning.fabric.utilities.distributed").addFilter(
+            _Drop(message=r"Initializing distributed: GLOBAL_RANK: [1-9]")
         )
         # Lightning's advertisement for its paid logger, on every run.
         logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_Drop(message="💡 Tip:"))

@@ -57,9 +57,10 @@ class TrainingMonitor(Callback):
       process's peak resident memory.
     - ``memory/parameters_gib``, ``memory/gradients_gib``, ``memory/optimizer_gib``: the most any rank holds of the
       model's parameters, their gradients (as the optimizer steps) and the optimizer's state: its own shards, measured.
-      On GPUs ``memory/activations_gib``: the rest of the peak, the activations and the buffers a step needs beside
-      them (ZeRO's gathered parameters, communication buffers). Under ``ParallelStrategy`` the planner's estimate of
-      each part goes beside them (``memory/planned_parameters_gib``, ...; ``lightdist plan``'s figures).
+      On GPUs (without ``cpu_offload``) ``memory/activations_gib``: the rest of the peak, the activations and the
+      buffers a step needs beside them (ZeRO's gathered parameters, communication buffers). Under
+      ``ParallelStrategy`` the planner's estimate of each part goes beside them (``memory/planned_parameters_gib``,
+      ...; ``lightdist plan``'s figures).
     - ``checkpoint/blocked_s``: seconds per step that training waited on checkpoint saves.
     - ``pipeline/bubble``: the share of the pipeline schedule's time its stages spent waiting on each other (pp > 1).
     - ``train/grad_norm``: the whole model's gradient norm, over every stage and shard, before clipping.
@@ -197,7 +198,8 @@ def _gradient_norm(trainer: pl.Trainer, optimizer: Optimizer) -> Tensor:
 def _memory_parts(trainer: pl.Trainer, module: nn.Module, gradient_bytes: float) -> dict[str, float]:
     """GiB: the most any rank held since the window began (GPUs), or in its life (CPUs: that peak cannot be reset),
     and the most any rank holds of each part of the training state; the planner's estimate of each beside them."""
-    device = trainer.strategy.root_device
+    strategy = trainer.strategy
+    device = strategy.root_device
     if device.type == "cuda":
         peak = float(torch.cuda.max_memory_allocated(device))
     else:
@@ -207,13 +209,14 @@ def _memory_parts(trainer: pl.Trainer, module: nn.Module, gradient_bytes: float)
         value for opt in trainer.optimizers for state in opt.state.values() for value in state.values()
     )
     held = {"peak": peak, "parameters": parameters, "gradients": gradient_bytes, "optimizer": optimizer}
-    if device.type == "cuda":
+    offloaded = isinstance(strategy, ParallelStrategy) and strategy.run_config["cpu_offload"]
+    if device.type == "cuda" and not offloaded:  # offloaded, the parts are in CPU memory, not in the GPU's peak
         held["activations"] = peak - parameters - gradient_bytes - optimizer
     values = torch.tensor(list(held.values()), dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
     metrics = {f"memory/{part}_gib": value / 2**30 for part, value in zip(held, values.tolist(), strict=True)}
-    planned = trainer.strategy.planned_memory if isinstance(trainer.strategy, ParallelStrategy) else None
+    planned = strategy.planned_memory if isinstance(strategy, ParallelStrategy) else None
     if planned is not None:  # on rank 0, which logs
         parts = {
             "parameters": planned.params,
