@@ -44,7 +44,7 @@ class FailureReport:
             _replace_traceback(exception, line=None)
             return
         if first is None:
-            line = f"{summary}, after rank 0 exited: its error is above"
+            line = f"{summary}, after rank 0, which held the process group's store, exited: the first error is above"
         elif first.partition(": ")[2] == _one_line(exception):
             line = f"rank {self.rank} failed with the same error as {first.partition(':')[0]}, whose traceback is above"
         else:
