@@ -32,7 +32,8 @@ class FailureReport:
         reaches the top of the process, where Python would print its traceback."""
         if not isinstance(exception, Exception):  # Ctrl-C and exits: every rank was told, nothing to explain
             return
-        summary = f"rank {self.rank}: {_one_line(exception)}"
+        error = _one_line(exception)
+        summary = f"rank {self.rank}: {error}"
         try:
             first = self.store.compare_set(self._key, "", summary).decode()
         except Exception:  # the store went with rank 0, its host, which so ended first (and printed why)
@@ -45,7 +46,7 @@ class FailureReport:
             return
         if first is None:
             line = f"{summary}, after rank 0, which held the process group's store, exited: the first error is above"
-        elif first.partition(": ")[2] == _one_line(exception):
+        elif first.partition(": ")[2] == error:
             line = f"rank {self.rank} failed with the same error as {first.partition(':')[0]}, whose traceback is above"
         else:
             line = f"{summary}, after {first}, whose traceback is above"

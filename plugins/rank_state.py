@@ -12,6 +12,7 @@ after as many, and the epoch goes on where it stood.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ def gather_rank_states(
     ``data_parallel``: this rank's (index, size) among the data-parallel ranks, which is what its loader's shard
     depends on. ``in_turn``: whether its loaders deal samples to the ranks in turn (``deal_samples_in_turn``).
     """
-    checkpoint[_LAYOUT] = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp}
+    checkpoint[_LAYOUT] = asdict(layout)
     loaders = _fit_loop(checkpoint).get("state_dict", {}).get(_LOADERS)
     own = {"rng": rng_state(device), "data_parallel": data_parallel, "loaders": loaders, "in_turn": in_turn}
     every_rank = [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
@@ -67,11 +68,10 @@ def take_rank_state(
     A checkpoint saved on an epoch's last batch keeps no position: Lightning would restore it whenever training counts
     steps, and a loader that ``limit_train_batches`` cut short would start the next epoch where this one stopped.
     """
-    saved_layout = checkpoint.pop(_LAYOUT, None)
-    if saved_layout is not None and ParallelLayout(**saved_layout) != layout:
+    saved_layout = ParallelLayout(**checkpoint.pop(_LAYOUT)) if _LAYOUT in checkpoint else layout
+    if saved_layout != layout:
         rank_zero_info(
-            f"lightdist: the checkpoint was saved under {ParallelLayout(**saved_layout)} and is resharded for this "
-            f"run's {layout}"
+            f"lightdist: the checkpoint was saved under {saved_layout} and is resharded for this run's {layout}"
         )
     every_rank = checkpoint.pop(_KEY, None)
     fit_loop = _fit_loop(checkpoint)
