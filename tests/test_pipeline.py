@@ -164,8 +164,14 @@ def test_predict_through_a_pipeline_matches_one_process() -> None:
     torch.testing.assert_close(first, last, rtol=0, atol=0)  # every rank returns the last stage's predictions
 
 
+# Under 1F1B, third-party model code: a Hugging Face Llama whose step calls self.model(..., labels=...) and takes the
+# model's own loss; under interleaved 1F1B, the reference Llama's four blocks make four stages.
+PROFILED_MODELS = {"1f1b": "zoo_hf_llama_labels", "interleaved_1f1b": "llama"}
+
+
 def profile_second_step(schedule: str, traces: str) -> None:
-    case = Case(strategy=dict(pipeline_parallel_size=2, microbatches=4, pipeline_schedule=schedule), steps=2)
+    strategy = dict(pipeline_parallel_size=2, microbatches=4, pipeline_schedule=schedule)
+    case = Case(strategy=strategy, model=PROFILED_MODELS[schedule], steps=2)
     train(case, devices=2, callbacks=[ProfileSteps(steps=[1], dirpath=traces)])
 
 
