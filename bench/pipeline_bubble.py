@@ -16,14 +16,13 @@ and the most microbatches whose activations a rank held at once (GPipe: m, 1F1B:
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.multiprocessing as mp
 from lightning.pytorch import Callback, LightningModule, Trainer
+from ranks import free_port, join_ranks
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -154,20 +153,11 @@ def _measure(stages: int, schedule: str, microbatches: int, args: argparse.Names
 
 
 def _rank_main(rank: int, stages: int, port: int, args: argparse.Namespace, results) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(stages), RANK=str(rank), LOCAL_RANK=str(rank)
-    )
-    torch.set_num_threads(1)
+    join_ranks(rank, stages, port)
     for schedule in args.schedules:
         for microbatches in args.microbatches:
             idle, peak = _measure(stages, schedule, microbatches, args)
             results.put((stages, schedule, microbatches, idle, peak))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> None:
@@ -185,7 +175,7 @@ def main() -> None:
     rows: dict[tuple, list] = {}
     for stages in args.stages:
         results = context.Queue()
-        mp.start_processes(_rank_main, args=(stages, _free_port(), args, results), nprocs=stages, start_method="spawn")
+        mp.start_processes(_rank_main, args=(stages, free_port(), args, results), nprocs=stages, start_method="spawn")
         for _ in range(stages * len(args.schedules) * len(args.microbatches)):
             *config, idle, peak = results.get(timeout=60)
             rows.setdefault(tuple(config), []).append((idle, peak))

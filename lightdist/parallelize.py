@@ -20,6 +20,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from lightdist.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
+from lightdist.expert_parallel import (
+    ExpertModules,
+    apply_expert_parallel,
+    check_expert_parallel,
+    expert_mesh,
+    find_experts,
+)
 from lightdist.layout import ParallelLayout
 from lightdist.layout_probe import probe_layouts
 from lightdist.pipeline.schedules import PipelineSchedule, check_schedule, stages_of_rank, virtual_stages_of
@@ -72,6 +79,9 @@ class ParallelConfig:
         compile: Compile each block with ``torch.compile`` once split, before ZeRO wraps it, so that FSDP's hooks stay
             outside the compiled graphs (torchtitan's per-block compile). Not with ``activation_checkpointing``.
         param_dtype: The compute dtype of mixed precision, which ZeRO gathers parameters in.
+        expert_parallel_size: Data-parallel ranks that split each MoE layer's experts between them (``ep``, which
+            divides ``data_parallel_size`` and the number of experts); tokens travel to their experts and back by
+            all-to-all (``lightdist.expert_parallel``). 1: every rank holds every expert.
     """
 
     zero_stage: ZeroStage = 3
@@ -87,6 +97,7 @@ class ParallelConfig:
     tp_plan: Mapping[str, TensorParallelStyle] | None = None
     compile: bool = False
     param_dtype: torch.dtype | None = None
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         """Refuse what cannot run, when the options are given: before any process or tensor exists."""
@@ -105,6 +116,14 @@ class ParallelConfig:
                 f"compile=True with activation_checkpointing={self.activation_checkpointing!r} is not supported: "
                 "the recompute of a compiled block does not see the tensors its forward saved (measured on Hugging "
                 "Face Llama blocks, torch 2.13). Choose one: compile=False, or activation_checkpointing=None."
+            )
+        if not isinstance(self.expert_parallel_size, int) or self.expert_parallel_size < 1:
+            raise ValueError(f"expert_parallel_size={self.expert_parallel_size!r} must be a positive integer.")
+        if self.expert_parallel_size > 1 and self.zero_stage == 1:
+            raise ValueError(
+                f"zero_stage=1 with expert_parallel_size={self.expert_parallel_size}: ZeRO-1 deals whole parameters "
+                "out over all data-parallel ranks, but each expert-parallel rank holds other experts. Use "
+                "zero_stage=0, 2 or 3 with expert parallelism."
             )
         if self.cpu_offload and self.zero_stage < 2:
             raise ValueError(
@@ -142,6 +161,7 @@ class ParallelConfig:
             "pipeline_parallel_size": pp,
             "data_parallel_size": layout.dp,
             "tensor_parallel_size": tp,
+            "expert_parallel_size": self.expert_parallel_size,
             "zero_stage": self.zero_stage_run(pp),
             "pipeline_schedule": self.pipeline_schedule if pp > 1 else None,
             "virtual_stages": self.stages_per_pipeline_rank if pp > 1 else None,
@@ -215,6 +235,10 @@ def parallelize(
     if sharded_by_user or any(isinstance(p, DTensor) for p in model.parameters()):
         return _keep_user_split(model, mesh, config, root, sharded_by_user, report)
     pp, tp = mesh["pp"].size(), mesh["tp"].size()
+    experts = None
+    if config.expert_parallel_size > 1:
+        experts = find_experts(model)
+        check_expert_parallel(model, experts, config.expert_parallel_size, mesh)
     if config.zero_stage_run(pp) != config.zero_stage:
         report(
             f"lightdist: under a pipeline zero_stage={config.zero_stage} runs as ZeRO-{config.zero_stage_run(pp)}: "
@@ -229,14 +253,15 @@ def parallelize(
         if not block_names or tp > 1:
             raise
         if pp > 1:
-            return _parallelize_traced(model, mesh, config, root, block_names, example_call, report)
+            return _parallelize_traced(model, mesh, config, root, block_names, example_call, report, experts)
         blocks = [model.get_submodule(name) for name in block_names]
+        split_experts = _split_experts(model, experts, mesh, config, report)
         _recompute_and_compile(blocks, config)
-        _shard(root, blocks, mesh, config, config.zero_stage)
+        _shard(root, blocks, mesh, config, config.zero_stage, split_experts)
         return Parallelized(root)
     if config.pipeline_tracer and pp > 1:
         block_names = [f"{stack.name}.{index}" for index in range(len(stack))]
-        return _parallelize_traced(model, mesh, config, root, block_names, example_call, report)
+        return _parallelize_traced(model, mesh, config, root, block_names, example_call, report, experts)
     plan, layouts = {}, {}
     if tp > 1:  # on the whole model, where the embedding and the head split by vocabulary are seen
         plan = discover_plan(model, stack, tp_plan=config.tp_plan)
@@ -254,12 +279,13 @@ def parallelize(
             sequence_parallel=config.sequence_parallel,
             loss_parallel=config.loss_parallel,
         )
+    split_experts = _split_experts(model, experts, mesh, config, report)
     _recompute_and_compile(stack.blocks, config)
     if not result.stages:
-        _shard(root, stack.blocks, mesh, config, config.zero_stage)
+        _shard(root, stack.blocks, mesh, config, config.zero_stage, split_experts)
     for stage in result.stages:
         # Each stage is its own FSDP root, as the schedules expect: they gather, reshard and reduce per stage.
-        _shard(stage, stage.blocks, mesh, config, config.zero_stage_run(pp))
+        _shard(stage, stage.blocks, mesh, config, config.zero_stage_run(pp), split_experts.within(stage))
     return result
 
 
@@ -301,9 +327,16 @@ def _parallelize_traced(
     block_names: list[str],
     example_call: Callable[[], tuple[tuple, dict]] | None,
     report: Callable[[str], Any],
+    experts: ExpertModules | None,
 ) -> Parallelized:
     """Pipeline stages cut by torch's tracer, each data parallel on its own: for a model whose blocks are not in
-    one ``ModuleList``, or with ``pipeline_tracer``. Tensor parallelism needs the structure cut."""
+    one ``ModuleList``, or with ``pipeline_tracer``. Tensor and expert parallelism need the structure cut."""
+    if experts is not None:
+        raise ValueError(
+            f"expert_parallel_size={config.expert_parallel_size} with pipeline stages cut by torch's tracer: the "
+            "traced stages inline each experts module, which expert parallelism splits. Cut the stages by structure "
+            "(pipeline_tracer=False, the blocks in an nn.ModuleList), or set expert_parallel_size=1."
+        )
     pp = mesh["pp"].size()
     count = pp * config.stages_per_pipeline_rank
     sizes = _blocks_per_stage(
@@ -391,6 +424,40 @@ def _blocks_per_stage(
     return sizes
 
 
+@dataclass(frozen=True)
+class _SplitExperts:
+    """The experts modules expert parallelism split, and the mesh of the ranks that hold the same experts."""
+
+    modules: list[nn.Module]
+    edp_mesh: DeviceMesh | None
+
+    def within(self, stage: nn.Module) -> _SplitExperts:
+        held = set(stage.modules())
+        return _SplitExperts([module for module in self.modules if module in held], self.edp_mesh)
+
+
+def _split_experts(
+    model: nn.Module,
+    experts: ExpertModules | None,
+    mesh: DeviceMesh,
+    config: ParallelConfig,
+    report: Callable[[str], Any],
+) -> _SplitExperts:
+    """Deal each MoE layer's experts out over the ``ep`` ranks (``lightdist.expert_parallel``)."""
+    if experts is None:
+        return _SplitExperts([], None)
+    ep = config.expert_parallel_size
+    report(
+        f"lightdist: expert parallelism over {ep} ranks: the {experts.num_experts} experts of each of "
+        f"{len(experts.names)} MoE layers, {experts.num_experts // ep} per rank (experts modules "
+        f"{experts.declared_by}: {experts.names[0]}, ...)."
+    )
+    ranks = expert_mesh(mesh, ep)
+    held = [name for name in experts.names if _has_submodule(model, name)]  # under a pipeline, this rank's stages'
+    apply_expert_parallel(model, dataclasses.replace(experts, names=held), ranks["ep"])
+    return _SplitExperts([model.get_submodule(name) for name in held], ranks["edp"])
+
+
 def _recompute_and_compile(blocks: Iterable[nn.Module], config: ParallelConfig) -> None:
     """Activation checkpointing or ``torch.compile`` (``ParallelConfig`` refuses both), block by block."""
     blocks = list(blocks)
@@ -402,7 +469,12 @@ def _recompute_and_compile(blocks: Iterable[nn.Module], config: ParallelConfig) 
 
 
 def _shard(
-    root: nn.Module, blocks: Iterable[nn.Module], mesh: DeviceMesh, config: ParallelConfig, zero_stage: ZeroStage
+    root: nn.Module,
+    blocks: Iterable[nn.Module],
+    mesh: DeviceMesh,
+    config: ParallelConfig,
+    zero_stage: ZeroStage,
+    experts: _SplitExperts = _SplitExperts([], None),
 ) -> None:
     apply_data_parallel(
         root,
@@ -411,6 +483,8 @@ def _shard(
         zero_stage=zero_stage,
         param_dtype=config.param_dtype,
         cpu_offload=config.cpu_offload,
+        experts=experts.modules,
+        edp_mesh=experts.edp_mesh,
     )
 
 

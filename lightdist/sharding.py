@@ -42,10 +42,15 @@ def apply_data_parallel(
     zero_stage: ZeroStage,
     param_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
+    experts: Iterable[nn.Module] = (),
+    edp_mesh: DeviceMesh | None = None,
 ) -> None:
     """Make ``root`` data parallel over ``dp_mesh``, sharding as much as ``zero_stage`` asks, one unit per block.
 
     ``param_dtype`` is the compute dtype of FSDP2's mixed precision; gradients are always reduced in fp32.
+    ``experts`` (split by expert parallelism) are units of their own over ``edp_mesh``, the ranks that hold the same
+    experts. Each of their gradients already sums the tokens of the ``ep`` ranks that sent tokens to it, so the sum over
+    ``edp_mesh`` is divided by the whole data-parallel size, not by ``edp_mesh``'s.
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     if zero_stage in (0, 1):
@@ -58,6 +63,13 @@ def apply_data_parallel(
             mp_policy=mp_policy,
             offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
         )
+    for module in experts:
+        wrap(module, mesh=edp_mesh)
+        module.set_gradient_divide_factor(dp_mesh.size())
+        if zero_stage >= 2 and edp_mesh.size() > 1:
+            # A reduce-scatter folds the division into a pre-multiplied sum, which gloo lacks: divide on its own.
+            # (Not on one rank, where torch 2.13 would then divide twice, nor under replicate's plain all-reduce.)
+            module.set_force_sum_reduction_for_comms(True)
     for block in blocks:
         wrap(block)
     wrap(root)

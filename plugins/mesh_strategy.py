@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
+from lightdist.expert_parallel import check_expert_layout
 from lightdist.failures import FailureReport
 from lightdist.heartbeat import Heartbeat, name_the_silent_rank
 from lightdist.layout import ParallelLayout, ParallelMesh
@@ -112,6 +113,7 @@ class MeshStrategy(ModelParallelStrategy):
             self.num_nodes = nodes_started_by_torchrun(self.num_nodes, report=rank_zero_info)
         if not self._sizes.planned:
             self._layout = self._resolve_layout()
+            check_expert_layout(self._config.expert_parallel_size, self._layout.pp, self._layout.dp, self._layout.tp)
         if self._config.cpu_offload and self.root_device.type == "cpu":
             raise ValueError(
                 "cpu_offload=True moves sharded state from accelerator memory to CPU memory, but the accelerator is "

@@ -16,11 +16,13 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightdist.expert_load import ExpertLoad, imbalance_metrics, wandb_histograms
 from lightdist.plugins.strategy import ParallelStrategy
 from lightdist.sharding import local_tensor
 from lightdist.throughput import DecoderFlops, device_peak_flops
@@ -64,6 +66,9 @@ class TrainingMonitor(Callback):
     - ``checkpoint/blocked_s``: seconds per step that training waited on checkpoint saves.
     - ``pipeline/bubble``: the share of the pipeline schedule's time its stages spent waiting on each other (pp > 1).
     - ``train/grad_norm``: the whole model's gradient norm, over every stage and shard, before clipping.
+    - Mixture-of-Experts models: ``moe/imbalance/<layer>``, each MoE layer's busiest expert's tokens over the mean
+      (1: balanced; a dropless layer runs at its busiest expert's pace), ``moe/imbalance`` the worst layer's, and to
+      W&B ``moe/tokens_per_expert/<layer>``, a histogram of the tokens routed to each expert, over all ranks.
 
     ``perf/tokens_per_s`` and ``perf/mfu`` also go on the progress bar.
 
@@ -98,6 +103,9 @@ class TrainingMonitor(Callback):
         self._pipeline_before = (0.0, 0.0)
         self._grad_norm: Tensor | None = None
         self._gradient_bytes = 0.0
+        self._expert_load: ExpertLoad | None = None
+        self._first_step = 0
+        self._pipeline_warming_up = False
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -112,7 +120,15 @@ class TrainingMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._expert_load = ExpertLoad(pl_module)  # the model as split: its experts modules, under any layout
         self._start_window(trainer)
+        self._first_step = trainer.global_step
+        strategy = trainer.strategy
+        self._pipeline_warming_up = isinstance(strategy, ParallelStrategy) and strategy.layout.pp > 1
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._expert_load.remove()
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -140,12 +156,18 @@ class TrainingMonitor(Callback):
         sequences, self._seq_len = self.batch_shape_fn(batch)
         self._window_tokens += sequences * self._seq_len
         step = trainer.global_step
+        if self._pipeline_warming_up and step > self._first_step:
+            self._expert_load.drop()  # the pipeline's first step also ran its stages on uninitialised tensors
+            self._pipeline_warming_up = False
         if step == self._window_first_step or step % self._every or self._grad_norm is None:
             return  # accumulating, or not a step to log
         metrics = self._measure(trainer, steps=step - self._window_first_step)
         metrics |= _memory_parts(trainer, pl_module, self._gradient_bytes)
+        tokens = self._expert_load.take(counts_tokens=_counts_tokens(trainer)) if self._expert_load else {}
+        metrics |= imbalance_metrics(tokens)
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step - 1)  # where Lightning logs the loss of the same step
+            histograms = wandb_histograms(tokens) if isinstance(logger, WandbLogger) else {}
+            logger.log_metrics(metrics | histograms, step=step - 1)  # where Lightning logs the loss of the same step
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, logger=False, prog_bar=name in _ON_PROGRESS_BAR)
         self._start_window(trainer)
@@ -186,6 +208,12 @@ class TrainingMonitor(Callback):
             self._blocked_before = strategy.checkpoint_io.blocked_s
             if strategy.layout.pp > 1:
                 self._pipeline_before = _pipeline_time(strategy)
+
+
+def _counts_tokens(trainer: pl.Trainer) -> bool:
+    """Whether this rank's routed tokens are its own: not a tensor-parallel peer's copy."""
+    strategy = trainer.strategy
+    return not isinstance(strategy, ParallelStrategy) or strategy.device_mesh["tp"].get_local_rank() == 0
 
 
 def _gradient_norm(trainer: pl.Trainer, optimizer: Optimizer) -> Tensor:

@@ -26,10 +26,11 @@ from typing_extensions import override
 
 from lightdist.activation_checkpointing import ActivationCheckpointing
 from lightdist.async_checkpoint import AsyncMode, buffers_copied
+from lightdist.expert_parallel import step_mixed_meshes_per_tensor
 from lightdist.loss_parallel import vocab_parallel_cross_entropy
 from lightdist.parallelize import ModelHolder, ParallelConfig, Parallelized, parallelize
 from lightdist.pipeline.schedules import PipelineSchedule
-from lightdist.pipeline.structural import grad_norm_across_stages
+from lightdist.pipeline.structural import by_mesh, grad_norm_across_stages
 from lightdist.pipeline.traced import share_model_buffers
 from lightdist.plugins.auto_layout import LayoutRequest
 from lightdist.plugins.checkpoint_io import ShardedCheckpointIO
@@ -72,8 +73,8 @@ class ParallelStrategy(MeshStrategy):
             and the ``seq_len`` and ``batch_size`` (per data-parallel rank) that it or its data module declare,
             by ``lightdist plan``'s estimates; the choice is logged when ``fit`` starts.
         zero_stage, pipeline_schedule, virtual_stages, microbatches, pipeline_split, pipeline_tracer,
-        activation_checkpointing, sequence_parallel, loss_parallel, cpu_offload, tp_plan, compile: How the model
-            is split: ``lightdist.parallelize.ParallelConfig`` documents each.
+        activation_checkpointing, sequence_parallel, loss_parallel, cpu_offload, tp_plan, compile,
+        expert_parallel_size: How the model is split: ``lightdist.parallelize.ParallelConfig`` documents each.
         async_checkpoint: How checkpoints saved during ``fit`` upload behind training once staged in CPU memory:
             ``"process"`` (DCP's daemon process per rank, free of the training process's GIL), ``"thread"``, or
             ``None`` to save before training goes on.
@@ -109,6 +110,7 @@ class ParallelStrategy(MeshStrategy):
         cpu_offload: bool = False,
         tp_plan: dict[str, TensorParallelStyle] | None = None,
         compile: bool = False,
+        expert_parallel_size: int = 1,
         async_checkpoint: AsyncMode | None = "process",
         storage_options: dict[str, dict[str, Any]] | None = None,
         non_finite: NonFinitePolicy | None = None,
@@ -130,6 +132,7 @@ class ParallelStrategy(MeshStrategy):
             cpu_offload=cpu_offload,
             tp_plan=tp_plan,
             compile=compile,
+            expert_parallel_size=expert_parallel_size,
         )
         validate_options(sizes, config, async_checkpoint, storage_options, non_finite, collective_timeout)
         super().__init__(sizes, config, collective_timeout, process_group_backend)
@@ -168,9 +171,8 @@ class ParallelStrategy(MeshStrategy):
             self.setup_optimizers(trainer)
             skip_lightning_backward(trainer, self._pipeline_step is not None)
         self.setup_precision_plugin()
-        if self._pipeline_step is not None:
-            # Lightning's clipping sees this stage's gradients only; the norm must cover every stage.
-            self.precision_plugin.clip_grad_by_norm = self._clip_grad_norm_across_stages
+        # Lightning's clipping sees this stage's gradients only, and one DTensor mesh; the norm must cover them all.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_norm_across_stages
         if trainer.state.fn == TrainerFn.FITTING and not self._config.cpu_offload:
             optimizers_to_device(self.optimizers, self.root_device)
 
@@ -206,6 +208,8 @@ class ParallelStrategy(MeshStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
+        for optimizer in self.optimizers:
+            step_mixed_meshes_per_tensor(optimizer)
         if self._config.zero_stage == 1 and not self._parallelized.sharded_by_user:
             # LR schedulers keep the user's optimizers: a ShardedOptimizer shares their parameter groups.
             self.optimizers = [ShardedOptimizer(optimizer, self.device_mesh["dp"]) for optimizer in self.optimizers]
@@ -290,8 +294,9 @@ class ParallelStrategy(MeshStrategy):
         return grad_norm_across_stages(parameters, self.device_mesh["pp"].get_group(), counted_elsewhere=elsewhere)
 
     def _clip_grad_norm_across_stages(self, optimizer: Optimizer, clip_val: float) -> None:
-        parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(parameters, clip_val, self.gradient_norm(optimizer))
+        norm = self.gradient_norm(optimizer)
+        for parameters in by_mesh(p for group in optimizer.param_groups for p in group["params"] if p.grad is not None):
+            torch.nn.utils.clip_grads_with_norm_(parameters, clip_val, norm)
 
     def pipeline_time(self) -> tuple[float, float]:
         """Seconds this rank's pipeline stages have computed, and seconds their schedule has run: the difference is

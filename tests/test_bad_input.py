@@ -50,6 +50,11 @@ def test_under_torchrun_the_error_names_the_launchers_world_size(monkeypatch: py
         (dict(pipeline_schedule="round_robin"), r"pipeline_schedule='round_robin' is not one of gpipe, 1f1b"),
         (dict(microbatches=0), r"microbatches=0 must be a positive integer"),
         (dict(activation_checkpointing="some"), r"activation_checkpointing='some' is not one of None, 'full'"),
+        (dict(expert_parallel_size=0), r"expert_parallel_size=0 must be a positive integer"),
+        (
+            dict(expert_parallel_size=2, zero_stage=1),
+            r"zero_stage=1 with expert_parallel_size=2: .* Use zero_stage=0, 2 or 3 with expert parallelism",
+        ),
         (dict(zero_stage=1, cpu_offload=True), r"cpu_offload=True needs .* zero_stage=1. Use zero_stage=2 or 3"),
         (dict(compile=True, activation_checkpointing="full"), r"compile=True with activation_checkpointing='full'"),
         (dict(tensor_parallel_size=0), r"tensor_parallel_size=0 must be a positive integer or 'auto' or 'node'"),

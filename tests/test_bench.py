@@ -52,3 +52,16 @@ def test_checkpoint_stall_benchmark_times_every_kind_of_save(tmp_path: Path) -> 
     assert header[0] == "target" and local[0] == "local"
     state_gigabytes, *seconds = (float(value) for value in local[1:6])
     assert state_gigabytes > 0 and all(value > 0 for value in seconds)
+
+
+def test_expert_parallel_benchmark_times_each_ep_in_turn(tmp_path: Path) -> None:
+    bench = BENCH.parent / "expert_parallel.py"
+    options = ["--ranks", "2", "--ep", "1", "2", "--steps", "2", "--warmup", "1", "--rounds", "1"]
+    run = subprocess.run(
+        [sys.executable, str(bench), *options], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.split() for line in run.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[0] for row in rows] == ["1", "2"]
+    assert rows[0][2] == "1.00x"  # ep=1 is the baseline
+    assert float(rows[0][3]) == 0 < float(rows[1][3])  # only split experts send tokens

@@ -43,6 +43,8 @@ RESUMES = {
         two_epochs(model="sequential_blocks", batch_size=2, zero_stage=1),
         two_epochs(model="sequential_blocks", pipeline_parallel_size=2),
     ),
+    # each MoE layer's experts split over 2 ranks on save (and their Adam moments), every expert on each rank on load
+    "moe_ep2_to_ep1": (two_epochs(model="moe", expert_parallel_size=2), two_epochs(model="moe")),
     # optimizer state split by parameter on save, whole parameters split across 2 ranks on load
     "dp2_zero1_to_tp2": (two_epochs(batch_size=2, zero_stage=1), two_epochs(tensor_parallel_size=2, zero_stage=3)),
 }

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from lightdist.async_checkpoint import WRITER_THREADS
-from lightdist.models import GPT2, HuggingFaceCausalLM, Llama, TokenDataModule
+from lightdist.models import GPT2, HuggingFaceCausalLM, Llama, MoELlama, TokenDataModule
 from lightdist.models.lm import CausalLM
 from lightdist.plugins import ModelCheckpoint, ParallelStrategy, TrainingMonitor
 
@@ -160,6 +160,20 @@ MODELS = {
         config=dict(HF_TINY, model_type="opt", ffn_dim=176, word_embed_proj_dim=64, dropout=0.0),
     ),
     # Third-party model code in LightningModules written as their users write them (tests/zoo.py).
+    "moe": partial(MoELlama, "tiny"),
+    # The load-balancing loss is over each rank's tokens, so only without it does data parallelism equal one process.
+    "moe_lm_only": partial(MoELlama, "tiny", config={"aux_loss_coef": 0.0}),
+    "moe_3_experts": partial(MoELlama, "tiny", config={"n_experts": 3}),
+    **{
+        f"zoo_hf_{family}_{style}": partial(
+            zoo.HuggingFaceLabels if style == "labels" else zoo.HuggingFaceLogits,
+            model_type=family,
+            output_router_logits=style == "labels",
+            **dict(zoo.HF_TINY_MOE, **extra),
+        )
+        for family, extra in zoo.HF_MOE_FAMILIES.items()
+        for style in ("labels", "logits")
+    },
     "zoo_nanogpt": zoo.NanoGPT,
     "zoo_litgpt": zoo.LitGPT,
     "zoo_hf_llama_labels": partial(zoo.HuggingFaceLabels, model_type="llama", num_key_value_heads=2, **zoo.HF_TINY),
@@ -260,6 +274,7 @@ class Result:
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # full state dict after training
     validated: dict[str, float] = field(default_factory=dict)  # what trainer.validate returned after training
     grad_norms: list[float] = field(default_factory=list)  # per optimizer step, before clipping (TrainingMonitor)
+    expert_imbalance: list[float] = field(default_factory=list)  # per optimizer step, MoE models (TrainingMonitor)
     layout: str = ""  # the layout ParallelStrategy trained under
     error: str = ""  # the traceback of a run that raised: the runs after it in the same ranks still ran
 
@@ -280,6 +295,8 @@ class _RecordLosses(Callback):
         if trainer.global_step > self.step:  # the optimizer stepped: the monitor logged the gradient's norm
             self.step = trainer.global_step
             self.result.grad_norms.append(trainer.callback_metrics["train/grad_norm"].item())
+            if "moe/imbalance" in trainer.callback_metrics:
+                self.result.expert_imbalance.append(trainer.callback_metrics["moe/imbalance"].item())
 
 
 class _CountValidationWindows(Callback):

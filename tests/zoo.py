@@ -198,6 +198,33 @@ class NanoGPT(LightningModule):
 
 
 HF_TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4)
+# Mixture-of-Experts families: 8 experts, 2 per token, each family's own names for the sizes.
+HF_TINY_MOE = dict(
+    HF_TINY, num_hidden_layers=2, num_key_value_heads=2, num_experts_per_tok=2, router_aux_loss_coef=0.02
+)
+HF_MOE_FAMILIES = {
+    "mixtral": dict(num_local_experts=8, intermediate_size=64),
+    "qwen3_moe": dict(num_experts=8, moe_intermediate_size=64, head_dim=16),
+    "olmoe": dict(num_experts=8, intermediate_size=64),
+    # A shared expert beside the routed ones, gated by its own sigmoid.
+    "qwen2_moe": dict(num_experts=8, moe_intermediate_size=64, shared_expert_intermediate_size=128),
+    # Fine-grained routed experts and a shared one, the first layer dense, latent attention, group-limited routing.
+    "deepseek_v3": dict(
+        n_routed_experts=8,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        intermediate_size=128,
+        first_k_dense_replace=1,
+        num_hidden_layers=3,
+        n_group=2,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    ),
+}
 
 
 class HuggingFaceLabels(LightningModule):

@@ -16,13 +16,14 @@ as without a pipeline.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightdist.structure import DecoderStack
@@ -306,18 +307,27 @@ class StageModel(nn.Module):
         self._outgoing = output
 
 
+def by_mesh(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
+    """``tensors`` grouped by their DTensor mesh, plain tensors together: torch's foreach kernels, which the gradient's
+    norm and clipping use, take DTensors of one mesh at a time (experts are split over a mesh of their own)."""
+    groups: dict[DeviceMesh | None, list[Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device_mesh if isinstance(tensor, DTensor) else None, []).append(tensor)
+    return list(groups.values())
+
+
 def grad_norm_across_stages(
     parameters: list[nn.Parameter], pp_group: dist.ProcessGroup, *, counted_elsewhere: set[int] = frozenset()
 ) -> Tensor:
-    """The norm of the whole model's gradient, of which each stage holds a share (and, as DTensors, each tensor- and
-    data-parallel rank a shard).
+    """The norm of the whole model's gradient, of which each stage holds a share (and, as DTensors, each tensor-,
+    data- and expert-parallel rank a shard).
 
     ``counted_elsewhere``: ids of parameters another stage also holds and counts (a weight tied across the ends).
     """
     counted = [p.grad for p in parameters if p.grad is not None and id(p) not in counted_elsewhere]
-    norm = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros((), device=parameters[0].device)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    squared = norm.float().pow(2)
+    squared = torch.zeros((), device=parameters[0].device)
+    for grads in by_mesh(counted):
+        norm = torch.nn.utils.get_total_norm(grads)
+        squared = squared + (norm.full_tensor() if isinstance(norm, DTensor) else norm).float().pow(2)
     dist.all_reduce(squared, group=pp_group)
     return squared.sqrt()

@@ -1,0 +1,95 @@
+"""How evenly a Mixture-of-Experts model's router spreads tokens over its experts, counted where they are routed.
+
+A forward pre-hook on each experts module (``lightdist.expert_parallel.find_experts``) reads the expert each token is
+sent to. Counts are summed over the ranks whose tokens differ (not over tensor-parallel peers, which route the same
+tokens) and over the pipeline stages that hold the layers. Recomputed forwards (activation checkpointing) count their
+tokens again, as they route them again: shares and the imbalance are exact, the counts are then multiples.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from lightdist.expert_parallel import find_experts
+
+__all__ = ["ExpertLoad", "imbalance_metrics", "wandb_histograms"]
+
+
+class ExpertLoad:
+    """Tokens routed to each expert of each MoE layer of ``model`` since the last ``take``; nothing for a dense
+    model."""
+
+    def __init__(self, model: nn.Module) -> None:
+        experts = find_experts(model)
+        self.num_experts = experts.num_experts if experts is not None else 0
+        self._counts: dict[str, Tensor] = {}
+        self._handles: list[RemovableHandle] = [
+            model.get_submodule(name).register_forward_pre_hook(partial(self._count, name), with_kwargs=True)
+            for name in (experts.names if experts is not None else [])
+        ]
+
+    def __bool__(self) -> bool:
+        return bool(self._handles)
+
+    def _count(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if module.training:
+            expert_index = list(inspect.signature(module.forward).bind(*args, **kwargs).arguments.values())[1]
+            counts = torch.bincount(expert_index.detach().flatten(), minlength=self.num_experts)
+            self._counts[name] = self._counts[name] + counts if name in self._counts else counts
+
+    def drop(self) -> None:
+        """Forget what was counted: forwards that routed no real tokens (torch's pipeline stages learn their shapes
+        from a first forward of uninitialised tensors)."""
+        self._counts = {}
+
+    def take(self, counts_tokens: bool = True) -> dict[str, Tensor]:
+        """Each layer's tokens per expert, summed over every rank, and the count started again. A collective of every
+        rank; ``counts_tokens``: whether this rank's tokens count (not a tensor-parallel peer's copy)."""
+        mine = {name: counts.cpu() for name, counts in self._counts.items()} if counts_tokens else {}
+        self._counts = {}
+        gathered: list[dict[str, Tensor]] = [mine]
+        if dist.is_initialized():
+            gathered = [{} for _ in range(dist.get_world_size())]
+            dist.all_gather_object(gathered, mine)
+        total: dict[str, Tensor] = {}
+        for counts_of_rank in gathered:
+            for name, counts in counts_of_rank.items():
+                total[name] = total[name] + counts if name in total else counts
+        return dict(sorted(total.items(), key=lambda item: _layer_order(item[0])))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def imbalance_metrics(tokens: dict[str, Tensor]) -> dict[str, float]:
+    """``moe/imbalance/<layer>``: each layer's busiest expert's tokens over the mean (1: balanced; a dropless layer
+    runs at its busiest expert's pace), and ``moe/imbalance``, the worst layer's."""
+    metrics = {
+        f"moe/imbalance/{layer}": (counts.max() / counts.float().mean()).item() for layer, counts in tokens.items()
+    }
+    return metrics | ({"moe/imbalance": max(metrics.values())} if metrics else {})
+
+
+def wandb_histograms(tokens: dict[str, Tensor]) -> dict[str, Any]:
+    """``moe/tokens_per_expert/<layer>``: W&B histograms whose bars are the experts, each as high as its tokens."""
+    if not tokens:
+        return {}
+    import wandb  # only where a W&B logger logs, which imported it
+
+    return {
+        f"moe/tokens_per_expert/{layer}": wandb.Histogram(np_histogram=(counts.tolist(), list(range(len(counts) + 1))))
+        for layer, counts in tokens.items()
+    }
+
+
+def _layer_order(name: str) -> tuple:
+    return tuple(int(part) if part.isdigit() else part for part in name.split("."))
