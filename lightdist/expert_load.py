@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightdist.expert_parallel import find_experts
+from lightdist.sharding import local_tensor
 
 __all__ = ["ExpertLoad", "imbalance_metrics", "wandb_histograms"]
 
@@ -41,7 +42,7 @@ class ExpertLoad:
     def _count(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if module.training:
             expert_index = list(inspect.signature(module.forward).bind(*args, **kwargs).arguments.values())[1]
-            counts = torch.bincount(expert_index.detach().flatten(), minlength=self.num_experts)
+            counts = torch.bincount(local_tensor(expert_index).detach().flatten(), minlength=self.num_experts)
             self._counts[name] = self._counts[name] + counts if name in self._counts else counts
 
     def drop(self) -> None:

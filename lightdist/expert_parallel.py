@@ -47,6 +47,17 @@ class ExpertModules:
     names: list[str]
     num_experts: int
     declared_by: str  # "the model's base_model_ep_plan", or "discovered"
+    top_k: int | None = None  # experts per token, where the MoE block or its config says
+
+    def parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """Every expert's weights: the parameters of the experts modules."""
+        return [p for name in self.names for p in model.get_submodule(name).parameters()]
+
+    def idle_parameters(self, model: nn.Module) -> int:
+        """The experts' weights a token does not run through: all but ``top_k / num_experts`` of them (none, where
+        ``top_k`` is unknown)."""
+        share = self.top_k / self.num_experts if self.top_k else 1.0
+        return round(sum(p.numel() for p in self.parameters(model)) * (1 - share))
 
 
 def find_experts(model: nn.Module) -> ExpertModules | None:
@@ -62,7 +73,8 @@ def find_experts(model: nn.Module) -> ExpertModules | None:
             f"The MoE layers of {type(model).__name__} stack different numbers of experts ({sorted(counts)}): "
             "expert parallelism splits every layer's experts alike, so it needs one number of experts."
         )
-    return ExpertModules(names, counts.pop(), "the model's base_model_ep_plan" if declared else "discovered")
+    declared_by = "the model's base_model_ep_plan" if declared else "discovered"
+    return ExpertModules(names, counts.pop(), declared_by, _top_k(model.get_submodule(names[0].rpartition(".")[0])))
 
 
 def check_expert_layout(ep: int, pp: int, dp: int, tp: int) -> None:
@@ -79,6 +91,17 @@ def check_expert_layout(ep: int, pp: int, dp: int, tp: int) -> None:
         raise ValueError(
             f"expert_parallel_size={ep} does not divide data_parallel_size={dp}: the ranks that split the experts are "
             "taken from the data-parallel ranks. Choose an expert_parallel_size that divides the data-parallel size."
+        )
+
+
+def check_no_tensor_parallel(model: nn.Module, tp: int) -> None:
+    """Refuse tensor parallelism of a Mixture-of-Experts model, which lightdist does not split yet (its experts would
+    run on DTensors, which Hugging Face's experts modules send to kernels that CPUs and fp32 lack)."""
+    if tp > 1 and find_experts(model) is not None:
+        raise ValueError(
+            f"tensor_parallel_size={tp}, but {type(model).__name__} is a Mixture-of-Experts model, whose MoE layers "
+            "lightdist does not split by tensor parallelism yet. Set tensor_parallel_size=1, and split the experts "
+            "over data-parallel ranks with expert_parallel_size."
         )
 
 
@@ -232,6 +255,16 @@ def _declared_experts(model: nn.Module) -> list[str] | None:
         return [
             f"{prefix}.{name}" if prefix else name for name, _ in module.named_modules() if _matches(name, patterns)
         ]
+    return None
+
+
+def _top_k(moe_block: nn.Module) -> int | None:
+    """Experts per token, as the MoE block, its router or their config calls it (``top_k``, ``num_experts_per_tok``)."""
+    for module in moe_block.modules():
+        for owner in (module, getattr(module, "config", None)):
+            for name in ("top_k", "num_experts_per_tok"):
+                if isinstance(value := getattr(owner, name, None), int):
+                    return value
     return None
 
 

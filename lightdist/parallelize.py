@@ -24,6 +24,7 @@ from lightdist.expert_parallel import (
     ExpertModules,
     apply_expert_parallel,
     check_expert_parallel,
+    check_no_tensor_parallel,
     expert_mesh,
     find_experts,
 )
@@ -235,6 +236,7 @@ def parallelize(
     if sharded_by_user or any(isinstance(p, DTensor) for p in model.parameters()):
         return _keep_user_split(model, mesh, config, root, sharded_by_user, report)
     pp, tp = mesh["pp"].size(), mesh["tp"].size()
+    check_no_tensor_parallel(model, tp)
     experts = None
     if config.expert_parallel_size > 1:
         experts = find_experts(model)

@@ -26,6 +26,7 @@ import yaml
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from lightdist.expert_parallel import check_no_tensor_parallel
 from lightdist.layout_probe import probe_layouts
 from lightdist.pipeline.schedules import stages_of_rank, virtual_stages_of
 from lightdist.pipeline.structural import stage_costs, stage_sizes
@@ -71,6 +72,7 @@ def format_stages(
 
 def format_plan(model: nn.Module, tp: int, tp_plan: dict[str, TensorParallelStyle] | None = None) -> str:
     """One line per module (blocks folded into ``*``): its style and its weight's shape, whole and per rank."""
+    check_no_tensor_parallel(model, tp)
     stack = find_decoder_stack(model)
     plan = discover_plan(model, stack, tp_plan=tp_plan)
     check_divisible(model, stack, plan, tp)
@@ -111,12 +113,14 @@ def _unit_layouts(model: nn.Module, stack: DecoderStack, plan: dict[str, TensorP
     ]
 
 
-def format_layouts(shape: ModelShape, training: Training, cluster: Cluster) -> tuple[str, bool]:
+def format_layouts(shape: ModelShape, training: Training, cluster: Cluster, ep: int = 1) -> tuple[str, bool]:
     """A row per layout (memory of its most loaded GPU, in GiB, and its step time), then the one to use and why, or by
-    how much nothing fits and what would; and whether something fits."""
-    plans = plan_layouts(shape, training, cluster)
+    how much nothing fits and what would; and whether something fits. ``ep``: the experts of a Mixture-of-Experts
+    model split over that many data-parallel ranks."""
+    plans = plan_layouts(shape, training, cluster, ep)
+    active = f" ({shape.active_parameters / 1e9:.1f}B active per token)" if shape.experts is not None else ""
     header = (
-        f"{shape.name}, {shape.parameters / 1e9:.1f}B parameters, on {cluster.describe()}: "
+        f"{shape.name}, {shape.parameters / 1e9:.1f}B parameters{active}, on {cluster.describe()}: "
         f"{training.global_batch} x {training.seq_len} tokens per step, {training.precision}"
     )
     if not plans:
@@ -140,21 +144,22 @@ def format_layouts(shape: ModelShape, training: Training, cluster: Cluster) -> t
         lines.append(
             f"Nothing fits: the leanest layout, {leanest.layout}, needs {leanest.total / GiB:.1f} GiB per GPU, "
             f"{(leanest.total / GiB - cluster.memory_gib):.1f} GiB more than {cluster.memory_gib:g}. "
-            + _what_would_fit(shape, training, cluster, leanest)
+            + _what_would_fit(shape, training, cluster, leanest, ep)
         )
     return "\n".join(lines), best.fits
 
 
-def layout_records(shape: ModelShape, training: Training, cluster: Cluster) -> list[dict[str, object]]:
+def layout_records(shape: ModelShape, training: Training, cluster: Cluster, ep: int = 1) -> list[dict[str, object]]:
     """The layouts table as records, the recommended layout first, for comparing layouts in a notebook: GiB per GPU
     on the most loaded GPU, and seconds per step."""
-    plans = plan_layouts(shape, training, cluster)
+    plans = plan_layouts(shape, training, cluster, ep)
     return [
         {
             "layout": str(plan.layout),
             "pp": plan.layout.pp,
             "dp": plan.layout.dp,
             "tp": plan.layout.tp,
+            "ep": plan.layout.ep,
             "zero_stage": plan.layout.zero_stage,
             "activation_checkpointing": plan.layout.activation_checkpointing or "",
             "microbatches": plan.layout.microbatches,
@@ -182,11 +187,11 @@ def _layout_row(plan: Estimate, width: int) -> str:
     return f"  {plan.layout!s:<{width}} {gib} {'yes' if plan.fits else 'no':>4} {plan.step_s:6.2f}"
 
 
-def _what_would_fit(shape: ModelShape, training: Training, cluster: Cluster, leanest: Estimate) -> str:
+def _what_would_fit(shape: ModelShape, training: Training, cluster: Cluster, leanest: Estimate, ep: int) -> str:
     """More GPUs of the same memory, the fewest that suffice, or else GPUs with more memory."""
     for factor in (2, 4, 8, 16, 32, 64):
         more = replace(cluster, gpus=cluster.gpus * factor)
-        fitting = [plan for plan in plan_layouts(shape, training, more) if plan.fits]
+        fitting = [plan for plan in plan_layouts(shape, training, more, ep) if plan.fits]
         if fitting:
             return f"It fits on {more.gpus} GPUs: {fitting[0].layout}, {fitting[0].total / GiB:.1f} GiB per GPU."
     return f"It fits on GPUs with {math.ceil(leanest.total / GiB)} GiB."
@@ -213,6 +218,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--pp", type=int, help="pipeline_parallel_size (default: the config's, else 1)")
     parser.add_argument("--schedule", help="pipeline_schedule (default: the config's, else 1f1b)")
     parser.add_argument("--virtual-stages", type=int, help="stages per rank of interleaved and zero-bubble schedules")
+    parser.add_argument(
+        "--ep", type=int, help="expert_parallel_size of a Mixture-of-Experts model (default: the config's, else 1)"
+    )
     cluster = parser.add_argument_group("layouts: per-GPU memory and step time of every split of a cluster")
     cluster.add_argument("--gpus", type=int, help="GPUs to train on; shows every layout and recommends one")
     cluster.add_argument("--gpus-per-node", type=int, default=8)
@@ -232,7 +240,7 @@ def main(argv: list[str]) -> None:
         parser.error(f"--format {args.format} writes the layouts table: add --gpus N.")
 
     class_path, init_args, tp, tp_plan = args.model, json.loads(args.init_args), args.tp, None
-    pp, split, schedule, virtual_stages = args.pp, None, args.schedule, args.virtual_stages
+    pp, split, schedule, virtual_stages, ep = args.pp, None, args.schedule, args.virtual_stages, args.ep
     if args.config is not None:
         config = yaml.safe_load(args.config.read_text())
         class_path = class_path or config["model"]["class_path"]
@@ -243,6 +251,7 @@ def main(argv: list[str]) -> None:
         pp, split = pp or _given_size(strategy.get("pipeline_parallel_size")), strategy.get("pipeline_split")
         schedule = schedule or strategy.get("pipeline_schedule")
         virtual_stages = virtual_stages or strategy.get("virtual_stages")
+        ep = ep or strategy.get("expert_parallel_size")
     if class_path is None:
         parser.error("name the model with --model or --config.")
     try:
@@ -258,9 +267,9 @@ def main(argv: list[str]) -> None:
                 args.inter_node_gbps,
             )
             if args.format != "table":
-                _write_records(layout_records(ModelShape(model, tp_plan), training, cluster), args.format)
+                _write_records(layout_records(ModelShape(model, tp_plan), training, cluster, ep or 1), args.format)
                 return
-            table, fits = format_layouts(ModelShape(model, tp_plan), training, cluster)
+            table, fits = format_layouts(ModelShape(model, tp_plan), training, cluster, ep or 1)
             print(table)
             if not fits:
                 parser.exit(1)

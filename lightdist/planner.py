@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from lightdist.expert_parallel import find_experts
 from lightdist.pipeline.structural import balanced_split, stage_costs
 from lightdist.structure import find_decoder_stack
 from lightdist.tensor_parallel import TensorParallelStyle, check_divisible, discover_plan, replicated_key_values
@@ -63,11 +64,17 @@ class Layout:
     activation_checkpointing: ActivationCheckpointing = None
     microbatches: int = 1  # per optimizer step and data-parallel rank
     loss_parallel: bool = False  # under tp, the logits stay split by vocabulary
+    ep: int = 1  # data-parallel ranks that split each MoE layer's experts
 
     def __str__(self) -> str:
+        experts = f", ep={self.ep}" if self.ep > 1 else ""
         checkpointing = f", {self.activation_checkpointing} ckpt" if self.activation_checkpointing else ""
         pipeline = f", {self.microbatches} microbatches" if self.pp > 1 else ""
-        return f"pp={self.pp} x dp={self.dp} x tp={self.tp}, ZeRO-{self.zero_stage}{checkpointing}{pipeline}"
+        return f"pp={self.pp} x dp={self.dp} x tp={self.tp}{experts}, ZeRO-{self.zero_stage}{checkpointing}{pipeline}"
+
+    def takes_experts(self) -> bool:
+        """Whether expert parallelism fits this layout: ``ep`` divides the data-parallel ranks, without tp."""
+        return self.ep == 1 or (self.dp % self.ep == 0 and self.tp == 1)
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,7 @@ class _Tensor:
     weight: bool
     place: int | Literal["first", "last"]  # its block, or the end of the pipeline that holds it
     tied_copy: bool = False  # an LM head's weight tied to the embedding: a tensor of its own only under a pipeline
+    expert: bool = False  # stacked experts' weights: split on dim 0 by expert parallelism, never by tp
 
 
 class ModelShape:
@@ -136,8 +144,13 @@ class ModelShape:
     def __init__(self, model: nn.Module, tp_plan: dict[str, TensorParallelStyle] | None = None) -> None:
         self.model, self.name = model, type(model).__name__
         self.stack = find_decoder_stack(model)
-        self.plan = discover_plan(model, self.stack, tp_plan=tp_plan)
+        self.experts = find_experts(model)
+        # Mixture-of-Experts models are not split by tensor parallelism (see ``splits_evenly``).
+        self.plan = discover_plan(model, self.stack, tp_plan=tp_plan) if self.experts is None else {}
         self.parameters = sum(p.numel() for p in model.parameters())
+        experts = {id(p) for p in self.experts.parameters(model)} if self.experts else set()
+        # What a token runs through: top_k of each MoE layer's experts.
+        self.active_parameters = self.parameters - (self.experts.idle_parameters(model) if self.experts else 0)
         self.block_costs, self.embeddings, self.rest = stage_costs(model, self.stack)
         self.flops = DecoderFlops.of(model)
         embedding_tables = [m for m in model.modules() if isinstance(m, nn.Embedding)]
@@ -145,7 +158,7 @@ class ModelShape:
         self.vocab = max(table.num_embeddings for table in embedding_tables)
         self._modules = dict(model.named_modules())
         self._blocks_per_stage: dict[int, list[int]] = {}
-        self._rank_parameters: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
+        self._rank_parameters: dict[tuple[int, int, int, int], list[tuple[int, int, int]]] = {}
         blocks = {id(p): index for index, block in enumerate(self.stack.blocks) for p in block.parameters()}
         first_stage = {id(table.weight) for table in embedding_tables}
         self.tensors: list[_Tensor] = []
@@ -156,13 +169,16 @@ class ModelShape:
                 seen.add(id(param))
                 place = blocks.get(id(param), "first" if id(param) in first_stage and not tied_copy else "last")
                 style, weight = self.plan.get(name), param_name == "weight"
-                self.tensors.append(_Tensor(name, tuple(param.shape), style, weight, place, tied_copy))
+                expert = id(param) in experts
+                self.tensors.append(_Tensor(name, tuple(param.shape), style, weight, place, tied_copy, expert))
 
     @property
     def n_layers(self) -> int:
         return len(self.block_costs)
 
     def splits_evenly(self, tp: int) -> bool:
+        if self.experts is not None:  # lightdist does not split MoE layers by tensor parallelism
+            return tp == 1
         try:
             check_divisible(self.model, self.stack, self.plan, tp)
         except ValueError:
@@ -176,10 +192,11 @@ class ModelShape:
             )
         return self._blocks_per_stage[pp]
 
-    def rank_parameters(self, pp: int, tp: int, dp: int) -> list[tuple[int, int]]:
-        """For each pipeline rank: the parameters it holds as tensor parallelism leaves them, and its ZeRO shard of
-        them (FSDP2 splits each tensor's first dimension over ``dp`` ranks, padding it to a multiple)."""
-        return [(whole, sharded) for whole, sharded, _ in self._count_parameters(pp, tp, dp)]
+    def rank_parameters(self, pp: int, tp: int, dp: int, ep: int = 1) -> list[tuple[int, int]]:
+        """For each pipeline rank: the parameters it holds as tensor and expert parallelism leave them, and its ZeRO
+        shard of them (FSDP2 splits each tensor's first dimension over ``dp`` ranks, padding it to a multiple; experts
+        over the ``dp / ep`` ranks that hold the same ones)."""
+        return [(whole, sharded) for whole, sharded, _ in self._count_parameters(pp, tp, dp, ep)]
 
     def root_parameters(self, pp: int, tp: int) -> list[int]:
         """For each pipeline rank: its parameters outside the blocks (embeddings, final norm, head), which the FSDP2
@@ -238,8 +255,8 @@ class ModelShape:
             per_block[index] += saved[storage] / tokens
         return per_block
 
-    def _count_parameters(self, pp: int, tp: int, dp: int) -> list[tuple[int, int, int]]:
-        key = (pp, tp, dp)
+    def _count_parameters(self, pp: int, tp: int, dp: int, ep: int = 1) -> list[tuple[int, int, int]]:
+        key = (pp, tp, dp, ep)
         if key not in self._rank_parameters:
             sizes = self.blocks_per_stage(pp)
             whole_modules = set(replicated_key_values(self._modules, self.plan, tp)) if tp > 1 else set()
@@ -251,10 +268,13 @@ class ModelShape:
                     first, last = tensor.place == "first" and pp_rank == 0, tensor.place == "last" and pp_rank == pp - 1
                     if not (first or last or tensor.place in held) or (tensor.tied_copy and pp == 1):
                         continue
-                    style = None if tensor.module in whole_modules else tensor.style
-                    shape = tensor_parallel_shape(tensor.shape, style, tp, weight=tensor.weight)
+                    if tensor.expert:
+                        shape, shards = (tensor.shape[0] // ep, *tensor.shape[1:]), dp // ep
+                    else:
+                        style = None if tensor.module in whole_modules else tensor.style
+                        shape, shards = tensor_parallel_shape(tensor.shape, style, tp, weight=tensor.weight), dp
                     whole += math.prod(shape)
-                    sharded += math.ceil(shape[0] / dp) * math.prod(shape[1:])
+                    sharded += math.ceil(shape[0] / shards) * math.prod(shape[1:])
                     outside += math.prod(shape) if first or last else 0
                 counts.append((whole, sharded, outside))
             self._rank_parameters[key] = counts
@@ -272,7 +292,7 @@ def estimate(shape: ModelShape, layout: Layout, training: Training, cluster: Clu
         bytes_per_token * compute_bytes / 4 * tokens / layout.tp for bytes_per_token in shape.activation_bytes_per_token
     ]
     worst: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
-    rank_parameters = shape.rank_parameters(layout.pp, layout.tp, layout.dp)
+    rank_parameters = shape.rank_parameters(layout.pp, layout.tp, layout.dp, layout.ep)
     for pp_rank, ((whole, sharded), outside) in enumerate(
         zip(rank_parameters, shape.root_parameters(layout.pp, layout.tp), strict=True)
     ):
@@ -342,12 +362,23 @@ def _step_seconds(
         crosses_nodes = layout.tp * layout.dp > cluster.gpus_per_node
         bandwidth = cluster.inter_node_gbps if crosses_nodes else cluster.intra_node_gbps
         data_parallel = volume / (bandwidth * 1e9)
-    return compute + tensor_parallel + data_parallel
+    expert_parallel = 0.0
+    if layout.ep > 1 and shape.experts is not None:
+        # Per MoE layer and microbatch, each token's hidden states to its top_k experts and back, and their gradients
+        # back and forth: 4 all-to-alls, of which the (ep - 1) / ep held elsewhere cross the links.
+        moe_layers = math.ceil(len(shape.experts.names) / layout.pp)
+        pairs = training.micro_batch * training.seq_len * (shape.experts.top_k or shape.experts.num_experts)
+        volume = 4 * pairs * shape.dim * compute_bytes * (layout.ep - 1) / layout.ep
+        crosses_nodes = layout.tp * layout.ep > cluster.gpus_per_node
+        bandwidth = cluster.inter_node_gbps if crosses_nodes else cluster.intra_node_gbps
+        expert_parallel = moe_layers * layout.microbatches * volume / (bandwidth * 1e9)
+    return compute + tensor_parallel + data_parallel + expert_parallel
 
 
-def plan_layouts(shape: ModelShape, training: Training, cluster: Cluster) -> list[Estimate]:
-    """For every split of ``cluster.gpus`` into pp x dp x tp (tp inside a node), the fastest ZeRO stage and activation
-    checkpointing that fit, or the leanest where none does; fastest first."""
+def plan_layouts(shape: ModelShape, training: Training, cluster: Cluster, ep: int = 1) -> list[Estimate]:
+    """For every split of ``cluster.gpus`` into pp x dp x tp (tp inside a node) that takes expert parallelism over
+    ``ep`` ranks, the fastest ZeRO stage and activation checkpointing that fit, or the leanest where none does;
+    fastest first."""
     plans = []
     for tp in _divisors(cluster.gpus):
         if tp > cluster.gpus_per_node or not shape.splits_evenly(tp):
@@ -360,10 +391,13 @@ def plan_layouts(shape: ModelShape, training: Training, cluster: Cluster) -> lis
             microbatches = sequences // training.micro_batch
             if pp > 1 and microbatches < pp:
                 continue
+            if not Layout(pp, dp, tp, ep=ep).takes_experts():
+                continue
             options = [
-                estimate(shape, Layout(pp, dp, tp, zero, checkpointing, microbatches), training, cluster)
+                estimate(shape, Layout(pp, dp, tp, zero, checkpointing, microbatches, ep=ep), training, cluster)
                 for zero in ((0, 1, 2, 3) if dp > 1 else (0,))
                 if not (pp > 1 and zero == 3)  # under a pipeline ZeRO-3 is ZeRO-2 (see estimate)
+                and not (ep > 1 and zero == 1)  # ZeRO-1 deals whole parameters over every data-parallel rank
                 for checkpointing in (None, "selective", "full")
             ]
             fitting = [option for option in options if option.fits]
@@ -387,6 +421,7 @@ def choose_layout(
     tp: int | None = None,
     microbatches: int | None = None,
     stages_per_rank: int = 1,
+    ep: int = 1,
 ) -> Estimate:
     """The split of ``cluster.gpus`` ranks that trains the most tokens per second and fits, for sizes left ``None``.
 
@@ -407,14 +442,18 @@ def choose_layout(
                 continue
             if pp_size * stages_per_rank > shape.n_layers:
                 continue
-            layout = Layout(pp_size, dp_size, tp_size, zero_stage, activation_checkpointing, chunks)
+            layout = Layout(pp_size, dp_size, tp_size, zero_stage, activation_checkpointing, chunks, ep=ep)
+            if not layout.takes_experts():
+                continue
             training = Training(seq_len, batch_per_replica * dp_size, batch_per_replica // chunks, precision)
             candidates.append(estimate(shape, layout, training, cluster))
     if not candidates:
         raise ValueError(
             f"No split of {cluster.gpus} ranks into pp x dp x tp suits {shape.name}"
             + (f" with {fixed}" if fixed else "")
-            + f": tp must divide its heads and stay inside a node of {cluster.gpus_per_node}, pp at most "
+            + f": tp must divide its heads and stay inside a node of {cluster.gpus_per_node}"
+            + (f", ep={ep} divide dp with tp=1" if ep > 1 else "")
+            + ", pp at most "
             f"{shape.n_layers // stages_per_rank} stages, and the microbatches must divide batch_size="
             f"{batch_per_replica}. Set the sizes yourself, or change the device count or the batch size."
         )

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightdist.expert_parallel import find_experts
 from lightdist.structure import find_decoder_stack, find_repeated_blocks
 
 __all__ = ["PEAK_TFLOPS", "DecoderFlops", "device_peak_flops"]
@@ -28,7 +29,8 @@ class DecoderFlops:
 
     Each weight that multiplies costs 6 FLOPs per token (forward 2, backward 4); attention scores and values add
     ``12 * n_layers * dim * seq_len``, not halved for the causal mask. Embedding lookups are not matmuls and are left
-    out, unless the LM head multiplies by the embedding's weight.
+    out, unless the LM head multiplies by the embedding's weight. A Mixture-of-Experts layer counts the experts a
+    token runs through, ``top_k`` of them.
     """
 
     matmul_params: int
@@ -46,6 +48,9 @@ class DecoderFlops:
         matmul_params += sum(
             m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and id(m.weight) in lookups
         )
+        experts = find_experts(model)
+        if experts is not None:
+            matmul_params -= experts.idle_parameters(model)
         if n_layers is None:
             try:
                 n_layers = len(find_decoder_stack(model))

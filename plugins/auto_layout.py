@@ -136,6 +136,7 @@ def planned_layout(
         tp=tp,
         microbatches=config.microbatches,
         stages_per_rank=config.stages_per_pipeline_rank,
+        ep=config.expert_parallel_size,
     )
     return ParallelLayout(pp=choice.layout.pp, dp=choice.layout.dp, tp=choice.layout.tp), choice
 

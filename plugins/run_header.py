@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightdist.expert_parallel import find_experts
 from lightdist.parallelize import ParallelConfig
 from lightdist.planner import Estimate, GiB
 from lightdist.plugins.auto_layout import planned_layout
@@ -48,11 +49,17 @@ def run_header(
     ``estimate`` of its memory (or why there is none)."""
     module, layout, run = strategy.lightning_module, strategy.layout, config.as_run(strategy.layout)
     device = "GPU" if strategy.root_device.type == "cuda" else f"{strategy.root_device.type.upper()} rank"
+    experts = find_experts(module)
+    active = ""
+    if experts is not None and experts.top_k:
+        active = f" ({_count(parameters - experts.idle_parameters(module))} active per token)"
     lines = [
-        f"lightdist: {type(module).__name__}, {_count(parameters)} parameters, on {layout.world_size} {device}"
-        f"{'s' if layout.world_size > 1 else ''} as {layout}, ZeRO-{run['zero_stage']}"
+        f"lightdist: {type(module).__name__}, {_count(parameters)} parameters{active}, on {layout.world_size} "
+        f"{device}{'s' if layout.world_size > 1 else ''} as {layout}, ZeRO-{run['zero_stage']}"
     ]
     split = []
+    if run["expert_parallel_size"] > 1:
+        split.append(f"experts split over {run['expert_parallel_size']} data-parallel ranks")
     if layout.pp > 1:
         split.append(f"{run['pipeline_schedule']} schedule, {run['microbatches']} microbatches per batch")
         if run["virtual_stages"] > 1:

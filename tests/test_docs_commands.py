@@ -45,6 +45,7 @@ SHELL_BLOCKS = {
         "tests/test_export.py::test_exported_file_loads_into_the_plain_model"
     ),
     'lightdist plan --model lightdist.models.Llama --init-args \'{"preset": "70b"}\' --gpus 64 --format csv': RUN_HERE,
+    'lightdist plan --model lightdist.models.MoELlama --init-args \'{"preset": "8x7b"}\' --gpus 16 --ep 4': RUN_HERE,
     ".venv/bin/lightdist fit --config configs/tp2_zero3_cpu.yaml --launcher ray --num-workers 4 --max-failures 1": (
         "tests/test_ray.py::test_lightdist_fit_runs_a_config_on_ray_and_reports_its_metrics"
     ),

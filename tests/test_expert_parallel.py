@@ -84,6 +84,11 @@ REFUSED = {
             Case(strategy=EP2, model="llama", steps=1),
             r"expert_parallel_size=2, but Llama has no MoE layer: .* Set expert_parallel_size=1 for a dense model",
         ),
+        "tensor_parallel_moe": (
+            Case(strategy=dict(tensor_parallel_size=2), model="zoo_hf_mixtral_logits", steps=1),
+            r"tensor_parallel_size=2, but HuggingFaceLogits is a Mixture-of-Experts model, whose MoE layers lightdist "
+            r"does not split by tensor parallelism yet. Set tensor_parallel_size=1",
+        ),
     },
     4: {
         "traced_pipeline": (
@@ -243,8 +248,17 @@ def train_logging_to_wandb(save_dir: str) -> None:
     trainer.fit(MoELlama("tiny"), datamodule=data)
 
 
-def test_wandb_shows_the_tokens_each_expert_got_and_the_imbalance(tmp_path: Path) -> None:
+def test_wandb_shows_the_tokens_each_expert_got_and_the_imbalance(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
     run_ranks(1, train_logging_to_wandb, str(tmp_path))
+    # The header counts what a token runs through: the attention and 2 of each layer's 8 experts.
+    model = MoELlama("tiny")
+    experts_of_a_layer = sum(p.numel() for p in model.model.layers[0].mlp.experts.parameters())
+    idle = 4 * experts_of_a_layer * 6 // 8  # 6 of the 8 experts of each of the 4 layers
+    active = sum(p.numel() for p in model.parameters()) - idle
+    assert (
+        f"lightdist: MoELlama, 453.2K parameters ({active / 1e3:.1f}K active per token), on 1 CPU rank"
+        in capfd.readouterr().err
+    )
     rows = [row for row in offline_run_history(tmp_path / "wandb") if "moe/imbalance" in row]
     assert len(rows) == 2
     layers = [f"model.layers.{index}.mlp.experts" for index in range(4)]

@@ -24,6 +24,8 @@ SAVED = {
     "llama_tied": Case(strategy=dict(pipeline_parallel_size=2), model="llama_tied", steps=2),
     # a transformers model with tied embeddings and learned positions, sharded by ZeRO-3
     "hf_opt": Case(strategy=dict(zero_stage=3), model="hf_opt", steps=2),
+    # a transformers Mixtral, its 8 experts split 4 and 4 over the ranks by expert parallelism
+    "hf_mixtral": Case(strategy=dict(expert_parallel_size=2), model="hf_mixtral", steps=2),
 }
 
 
@@ -70,6 +72,16 @@ def test_hugging_face_model_exports_to_a_directory_that_from_pretrained_loads(tm
     assert model.lm_head.weight is model.model.decoder.embed_tokens.weight  # tied again, saved once
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(tensor, trained["hf_opt"][f"model.{name}"], rtol=0, atol=0, msg=name)
+
+
+def test_mixture_of_experts_split_over_ranks_exports_every_expert_to_hugging_face(tmp_path: Path, checkpoints) -> None:
+    directory, trained = checkpoints
+    main(["export", str(directory / "hf_mixtral"), str(tmp_path / "mixtral-hf")])
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "mixtral-hf", local_files_only=True)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 8  # both ranks' 4 experts
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, trained["hf_mixtral"][f"model.{name}"], rtol=0, atol=0, msg=name)
 
 
 def test_export_of_another_model_to_a_directory_says_to_export_a_file(

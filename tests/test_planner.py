@@ -3,6 +3,7 @@ fits; all from a model built on the meta device, in seconds."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightdist.cli import main
 from lightdist.layout import ParallelLayout
-from lightdist.models import Llama, TokenDataModule
+from lightdist.models import Llama, MoELlama, TokenDataModule
 from lightdist.models.llama import LLAMA_PRESETS
 from lightdist.planner import Cluster, GiB, Layout, ModelShape, Training, estimate
 from lightdist.plugins import ParallelStrategy
@@ -242,3 +243,47 @@ def test_memory_estimate_is_within_15_percent_of_what_cpu_ranks_use(monkeypatch:
         training = Training(SEQ_LEN, BATCH * dp, BATCH // microbatches, precision="32-true")
         planned = estimate(shape, layout, training, Cluster(4, memory_gib=64)).total
         assert planned == pytest.approx(max(per_rank), rel=0.15), name
+
+
+def test_a_mixture_of_experts_counts_active_parameters_and_splits_its_experts_over_ep(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    with torch.device("meta"):
+        model = MoELlama("8x7b")
+    shape = ModelShape(model)
+    # Mixtral 8x7B's published sizes: 46.7B parameters, 12.9B of them run per token (2 experts of 8).
+    assert (round(shape.parameters / 1e9, 1), round(shape.active_parameters / 1e9, 1)) == (46.7, 12.9)
+    embedding = model.model.embed_tokens.weight.numel()  # a lookup, not a matmul
+    assert shape.flops.matmul_params == shape.active_parameters - embedding  # MFU counts the experts a token runs
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    # Under ep=4 each rank keeps 2 experts of 8, sharded over the 2 ranks of 8 that hold the same ones.
+    ((whole, _),) = shape.rank_parameters(pp=1, tp=1, dp=8)
+    ((whole_ep, sharded_ep),) = shape.rank_parameters(pp=1, tp=1, dp=8, ep=4)
+    assert whole - whole_ep == experts * 3 / 4
+    assert sharded_ep == pytest.approx((whole - experts) / 8 + experts / 4 / 2, rel=1e-4)
+    assert not shape.splits_evenly(2)  # MoE layers are not split by tensor parallelism
+
+    main(["plan", "--model", "lightdist.models.MoELlama", "--init-args", '{"preset": "8x7b"}', "--gpus", "16"])
+    main(
+        [
+            "plan",
+            "--model",
+            "lightdist.models.MoELlama",
+            "--init-args",
+            '{"preset": "8x7b"}',
+            "--gpus",
+            "16",
+            "--ep",
+            "4",
+        ]
+    )
+    without, with_ep = (table.splitlines() for table in capsys.readouterr().out.split("MoELlama, ")[1:])
+    assert with_ep[0].startswith("46.7B parameters (12.9B active per token), on 16 GPUs")
+    rows = [row.split(",")[0:2] for row in with_ep[2:-1]]
+    assert rows and all(experts == " ep=4" for _, experts in rows)
+    assert all(int(layout.split("dp=")[1].split()[0]) % 4 == 0 and "tp=1" in layout for layout, _ in rows)
+    assert all(", ep=" not in row for row in without)
+    # The same layout with its experts split over 4 ranks: a quarter of their weights and Adam state on each rank.
+    layout = Layout(pp=1, dp=16, tp=1, zero_stage=0, activation_checkpointing="full", microbatches=16)
+    plain, split = (estimate(shape, dataclasses.replace(layout, ep=ep), Training(), Cluster(gpus=16)) for ep in (1, 4))
+    assert plain.optimizer - split.optimizer == pytest.approx(8 * experts * 3 / 4)

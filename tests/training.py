@@ -164,6 +164,9 @@ MODELS = {
     # The load-balancing loss is over each rank's tokens, so only without it does data parallelism equal one process.
     "moe_lm_only": partial(MoELlama, "tiny", config={"aux_loss_coef": 0.0}),
     "moe_3_experts": partial(MoELlama, "tiny", config={"n_experts": 3}),
+    "hf_mixtral": partial(
+        HuggingFaceCausalLM, config=dict(zoo.HF_TINY_MOE, model_type="mixtral", **zoo.HF_MOE_FAMILIES["mixtral"])
+    ),
     **{
         f"zoo_hf_{family}_{style}": partial(
             zoo.HuggingFaceLabels if style == "labels" else zoo.HuggingFaceLogits,
