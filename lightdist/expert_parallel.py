@@ -25,7 +25,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.optim import Optimizer
 
 __all__ = [
     "ExpertModules",
@@ -34,7 +33,6 @@ __all__ = [
     "check_expert_parallel",
     "expert_mesh",
     "find_experts",
-    "step_mixed_meshes_per_tensor",
 ]
 
 EXPERT_MESH_DIM_NAMES = ("pp", "edp", "ep", "tp")
@@ -145,15 +143,6 @@ def apply_expert_parallel(model: nn.Module, experts: ExpertModules, ep_mesh: Dev
         module.__class__ = _expert_parallel_class(type(module))
         module.ep_group = ep_mesh.get_group()
         module.experts_per_rank = experts.num_experts // ep_mesh.size()
-
-
-def step_mixed_meshes_per_tensor(optimizer: Optimizer) -> None:
-    """Let ``optimizer`` step groups that hold DTensors of more than one mesh (experts over ``("edp", "ep")``, the rest
-    over ``dp``) one tensor at a time: torch's foreach kernels refuse DTensors of different meshes in one call (torch
-    2.13). Groups of one mesh keep their foreach kernels."""
-    for group in optimizer.param_groups:
-        if len({p.device_mesh for p in group["params"] if isinstance(p, DTensor)}) > 1:
-            group["foreach"] = False
 
 
 class ExpertParallel:

@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from lightdist.torch_internals import replicate
 
-__all__ = ["ShardedOptimizer", "ZeroStage", "apply_data_parallel", "local_tensor"]
+__all__ = ["ShardedOptimizer", "ZeroStage", "apply_data_parallel", "local_tensor", "step_mixed_meshes_per_tensor"]
 
 ZeroStage = Literal[0, 1, 2, 3]
 
@@ -129,6 +129,16 @@ class ShardedOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
+
+
+def step_mixed_meshes_per_tensor(optimizers: Iterable[Optimizer]) -> None:
+    """Let each optimizer step its groups that hold DTensors of more than one mesh (experts split over
+    ``("edp", "ep")``, the rest over ``dp``) one tensor at a time: torch's foreach kernels refuse DTensors of different
+    meshes in one call (torch 2.13). Groups of one mesh keep their foreach kernels."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            if len({p.device_mesh for p in group["params"] if isinstance(p, DTensor)}) > 1:
+                group["foreach"] = False
 
 
 def _deal_out(params: list[Tensor], ranks: int) -> dict[Tensor, int]:

@@ -13,7 +13,6 @@ from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
@@ -26,11 +25,10 @@ from typing_extensions import override
 
 from lightdist.activation_checkpointing import ActivationCheckpointing
 from lightdist.async_checkpoint import AsyncMode, buffers_copied
-from lightdist.expert_parallel import step_mixed_meshes_per_tensor
 from lightdist.loss_parallel import vocab_parallel_cross_entropy
 from lightdist.parallelize import ModelHolder, ParallelConfig, Parallelized, parallelize
 from lightdist.pipeline.schedules import PipelineSchedule
-from lightdist.pipeline.structural import by_mesh, grad_norm_across_stages
+from lightdist.pipeline.structural import clip_grads, grad_norm_across_stages
 from lightdist.pipeline.traced import share_model_buffers
 from lightdist.plugins.auto_layout import LayoutRequest
 from lightdist.plugins.checkpoint_io import ShardedCheckpointIO
@@ -48,7 +46,7 @@ from lightdist.plugins.rank_state import deal_samples_in_turn, gather_rank_state
 from lightdist.plugins.run_header import announce_run
 from lightdist.plugins.strategy_names import STRATEGY_NAMES
 from lightdist.rng import set_rng_state
-from lightdist.sharding import ShardedOptimizer, ZeroStage
+from lightdist.sharding import ShardedOptimizer, ZeroStage, step_mixed_meshes_per_tensor
 from lightdist.storage import configure, resolve
 from lightdist.tensor_parallel import TensorParallelStyle, reorder_optimizer_state
 
@@ -208,8 +206,7 @@ class ParallelStrategy(MeshStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        for optimizer in self.optimizers:
-            step_mixed_meshes_per_tensor(optimizer)
+        step_mixed_meshes_per_tensor(self.optimizers)
         if self._config.zero_stage == 1 and not self._parallelized.sharded_by_user:
             # LR schedulers keep the user's optimizers: a ShardedOptimizer shares their parameter groups.
             self.optimizers = [ShardedOptimizer(optimizer, self.device_mesh["dp"]) for optimizer in self.optimizers]
@@ -294,9 +291,8 @@ class ParallelStrategy(MeshStrategy):
         return grad_norm_across_stages(parameters, self.device_mesh["pp"].get_group(), counted_elsewhere=elsewhere)
 
     def _clip_grad_norm_across_stages(self, optimizer: Optimizer, clip_val: float) -> None:
-        norm = self.gradient_norm(optimizer)
-        for parameters in by_mesh(p for group in optimizer.param_groups for p in group["params"] if p.grad is not None):
-            torch.nn.utils.clip_grads_with_norm_(parameters, clip_val, norm)
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grads(parameters, clip_val, self.gradient_norm(optimizer))
 
     def pipeline_time(self) -> tuple[float, float]:
         """Seconds this rank's pipeline stages have computed, and seconds their schedule has run: the difference is

@@ -33,6 +33,7 @@ __all__ = [
     "ModelCall",
     "StageModel",
     "balanced_split",
+    "clip_grads",
     "grad_norm_across_stages",
     "keep_stages",
     "stage_costs",
@@ -307,13 +308,20 @@ class StageModel(nn.Module):
         self._outgoing = output
 
 
-def by_mesh(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
+def _by_mesh(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
     """``tensors`` grouped by their DTensor mesh, plain tensors together: torch's foreach kernels, which the gradient's
     norm and clipping use, take DTensors of one mesh at a time (experts are split over a mesh of their own)."""
     groups: dict[DeviceMesh | None, list[Tensor]] = {}
     for tensor in tensors:
         groups.setdefault(tensor.device_mesh if isinstance(tensor, DTensor) else None, []).append(tensor)
     return list(groups.values())
+
+
+def clip_grads(parameters: Iterable[nn.Parameter], max_norm: float, total_norm: Tensor) -> None:
+    """Scale the gradients of ``parameters`` so that the whole model's, of norm ``total_norm``, has ``max_norm`` at
+    most: one DTensor mesh at a time."""
+    for group in _by_mesh(p for p in parameters if p.grad is not None):
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
 
 
 def grad_norm_across_stages(
@@ -326,7 +334,7 @@ def grad_norm_across_stages(
     """
     counted = [p.grad for p in parameters if p.grad is not None and id(p) not in counted_elsewhere]
     squared = torch.zeros((), device=parameters[0].device)
-    for grads in by_mesh(counted):
+    for grads in _by_mesh(counted):
         norm = torch.nn.utils.get_total_norm(grads)
         squared = squared + (norm.full_tensor() if isinstance(norm, DTensor) else norm).float().pow(2)
     dist.all_reduce(squared, group=pp_group)
