@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 __all__ = [
     "ExpertModules",
@@ -33,6 +33,8 @@ __all__ = [
     "check_expert_parallel",
     "expert_mesh",
     "find_experts",
+    "moe_blocks",
+    "run_moe_blocks_whole",
 ]
 
 EXPERT_MESH_DIM_NAMES = ("pp", "edp", "ep", "tp")
@@ -75,31 +77,76 @@ def find_experts(model: nn.Module) -> ExpertModules | None:
     return ExpertModules(names, counts.pop(), declared_by, _top_k(model.get_submodule(names[0].rpartition(".")[0])))
 
 
+def moe_blocks(model: nn.Module) -> list[str]:
+    """The MoE blocks of ``model``: the modules that hold an experts module (with the router, shared experts)."""
+    experts = find_experts(model)
+    return [] if experts is None else [name.rpartition(".")[0] for name in experts.names]
+
+
+def run_moe_blocks_whole(model: nn.Module) -> None:
+    """Under tensor parallelism, run each MoE block whole on every tensor-parallel rank, on the whole sequence.
+
+    Its router and experts stay unsplit (tensor parallelism splits attention); a block given the sequence-parallel
+    stream (a DTensor split along the sequence) gets it gathered as a plain tensor, and its output goes back into the
+    stream. Every tensor-parallel rank then routes the same tokens, so the router's load-balancing loss is plain data
+    parallelism's and expert parallelism runs alike on each tensor-parallel rank; the experts' compute is repeated on
+    each of them (Megatron splits the sequence between them instead)."""
+    for name in moe_blocks(model):
+        whole = _WholeOnEachRank()
+        block = model.get_submodule(name)
+        block.register_forward_pre_hook(whole.gather, with_kwargs=True)
+        block.register_forward_hook(whole.split, with_kwargs=True)
+
+
+class _WholeOnEachRank:
+    """The hooks around one MoE block: DTensor inputs gathered whole and made plain, outputs of the input's shape put
+    back as the input was placed."""
+
+    def __init__(self) -> None:
+        self.stream: DTensor | None = None
+
+    def gather(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.stream = next((x for x in (*args, *kwargs.values()) if isinstance(x, DTensor)), None)
+
+        def whole(x: Any) -> Any:
+            return (
+                x.redistribute(placements=[Replicate()] * x.device_mesh.ndim).to_local()
+                if isinstance(x, DTensor)
+                else x
+            )
+
+        return tuple(whole(x) for x in args), {key: whole(value) for key, value in kwargs.items()}
+
+    def split(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        stream, self.stream = self.stream, None
+        if stream is None:
+            return output
+
+        def placed(x: Any) -> Any:
+            if not isinstance(x, Tensor) or x.shape != stream.shape:
+                return x
+            replicated = DTensor.from_local(
+                x, stream.device_mesh, [Replicate()] * stream.device_mesh.ndim, run_check=False
+            )
+            return replicated.redistribute(placements=stream.placements)
+
+        return tuple(placed(x) for x in output) if isinstance(output, tuple) else placed(output)
+
+
 def check_expert_layout(ep: int, pp: int, dp: int, tp: int) -> None:
     """Refuse an ``ep`` that the layout cannot take: as soon as the layout is known, before any process starts."""
     if ep == 1:
         return
-    if tp > 1:
+    if pp > 1 and tp > 1:
         raise ValueError(
-            f"expert_parallel_size={ep} with tensor_parallel_size={tp}: lightdist composes expert parallelism with "
-            "data and pipeline parallelism and ZeRO, not yet with tensor parallelism. Set tensor_parallel_size=1, or "
-            "expert_parallel_size=1."
+            f"expert_parallel_size={ep} with pipeline_parallel_size={pp} and tensor_parallel_size={tp}: expert "
+            "parallelism composes with pipelines and with tensor parallelism, not yet with both at once (on CPU ranks "
+            "a step can then wait forever in a collective). Set pipeline_parallel_size=1 or tensor_parallel_size=1."
         )
     if dp % ep:
         raise ValueError(
             f"expert_parallel_size={ep} does not divide data_parallel_size={dp}: the ranks that split the experts are "
             "taken from the data-parallel ranks. Choose an expert_parallel_size that divides the data-parallel size."
-        )
-
-
-def check_no_tensor_parallel(model: nn.Module, tp: int) -> None:
-    """Refuse tensor parallelism of a Mixture-of-Experts model, which lightdist does not split yet (its experts would
-    run on DTensors, which Hugging Face's experts modules send to kernels that CPUs and fp32 lack)."""
-    if tp > 1 and find_experts(model) is not None:
-        raise ValueError(
-            f"tensor_parallel_size={tp}, but {type(model).__name__} is a Mixture-of-Experts model, whose MoE layers "
-            "lightdist does not split by tensor parallelism yet. Set tensor_parallel_size=1, and split the experts "
-            "over data-parallel ranks with expert_parallel_size."
         )
 
 
@@ -241,9 +288,10 @@ def _declared_experts(model: nn.Module) -> list[str] | None:
         if not plan:
             continue
         patterns = [pattern for pattern, style in plan.items() if style == "ep_dispatch_experts"]
-        return [
+        names = [
             f"{prefix}.{name}" if prefix else name for name, _ in module.named_modules() if _matches(name, patterns)
         ]
+        return names or None  # a module below the plan's base (an experts module keeps the config too): discover
     return None
 
 

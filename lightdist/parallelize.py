@@ -24,9 +24,9 @@ from lightdist.expert_parallel import (
     ExpertModules,
     apply_expert_parallel,
     check_expert_parallel,
-    check_no_tensor_parallel,
     expert_mesh,
     find_experts,
+    run_moe_blocks_whole,
 )
 from lightdist.layout import ParallelLayout
 from lightdist.layout_probe import probe_layouts
@@ -236,7 +236,6 @@ def parallelize(
     if sharded_by_user or any(isinstance(p, DTensor) for p in model.parameters()):
         return _keep_user_split(model, mesh, config, root, sharded_by_user, report)
     pp, tp = mesh["pp"].size(), mesh["tp"].size()
-    check_no_tensor_parallel(model, tp)
     experts = None
     if config.expert_parallel_size > 1:
         experts = find_experts(model)
@@ -281,6 +280,7 @@ def parallelize(
             sequence_parallel=config.sequence_parallel,
             loss_parallel=config.loss_parallel,
         )
+        run_moe_blocks_whole(model)
     split_experts = _split_experts(model, experts, mesh, config, report)
     _recompute_and_compile(stack.blocks, config)
     if not result.stages:

@@ -26,7 +26,6 @@ import yaml
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightdist.expert_parallel import check_no_tensor_parallel
 from lightdist.layout_probe import probe_layouts
 from lightdist.pipeline.schedules import stages_of_rank, virtual_stages_of
 from lightdist.pipeline.structural import stage_costs, stage_sizes
@@ -72,7 +71,6 @@ def format_stages(
 
 def format_plan(model: nn.Module, tp: int, tp_plan: dict[str, TensorParallelStyle] | None = None) -> str:
     """One line per module (blocks folded into ``*``): its style and its weight's shape, whole and per rank."""
-    check_no_tensor_parallel(model, tp)
     stack = find_decoder_stack(model)
     plan = discover_plan(model, stack, tp_plan=tp_plan)
     check_divisible(model, stack, plan, tp)

@@ -73,8 +73,9 @@ class Layout:
         return f"pp={self.pp} x dp={self.dp} x tp={self.tp}{experts}, ZeRO-{self.zero_stage}{checkpointing}{pipeline}"
 
     def takes_experts(self) -> bool:
-        """Whether expert parallelism fits this layout: ``ep`` divides the data-parallel ranks, without tp."""
-        return self.ep == 1 or (self.dp % self.ep == 0 and self.tp == 1)
+        """Whether expert parallelism fits this layout: ``ep`` divides the data-parallel ranks, and pipeline and
+        tensor parallelism are not both on (``lightdist.expert_parallel.check_expert_layout``)."""
+        return self.ep == 1 or (self.dp % self.ep == 0 and (self.pp == 1 or self.tp == 1))
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,7 @@ class ModelShape:
         self.model, self.name = model, type(model).__name__
         self.stack = find_decoder_stack(model)
         self.experts = find_experts(model)
-        # Mixture-of-Experts models are not split by tensor parallelism (see ``splits_evenly``).
-        self.plan = discover_plan(model, self.stack, tp_plan=tp_plan) if self.experts is None else {}
+        self.plan = discover_plan(model, self.stack, tp_plan=tp_plan)
         self.parameters = sum(p.numel() for p in model.parameters())
         experts = {id(p) for p in self.experts.parameters(model)} if self.experts else set()
         # What a token runs through: top_k of each MoE layer's experts.
@@ -177,8 +177,6 @@ class ModelShape:
         return len(self.block_costs)
 
     def splits_evenly(self, tp: int) -> bool:
-        if self.experts is not None:  # lightdist does not split MoE layers by tensor parallelism
-            return tp == 1
         try:
             check_divisible(self.model, self.stack, self.plan, tp)
         except ValueError:
@@ -452,7 +450,7 @@ def choose_layout(
             f"No split of {cluster.gpus} ranks into pp x dp x tp suits {shape.name}"
             + (f" with {fixed}" if fixed else "")
             + f": tp must divide its heads and stay inside a node of {cluster.gpus_per_node}"
-            + (f", ep={ep} divide dp with tp=1" if ep > 1 else "")
+            + (f", ep={ep} divide dp, pp or tp be 1" if ep > 1 else "")
             + ", pp at most "
             f"{shape.n_layers // stages_per_rank} stages, and the microbatches must divide batch_size="
             f"{batch_per_replica}. Set the sizes yourself, or change the device count or the batch size."

@@ -42,6 +42,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightdist.dataflow import trace_block_plan
+from lightdist.expert_parallel import moe_blocks
 from lightdist.pipeline.tied import tied_names
 from lightdist.structure import DecoderStack, in_features, is_conv1d, is_projection, out_features, within
 from lightdist.torch_internals import compute_local_shape_and_global_offset, declared_tp_plan, style_io_hooks, tree_map
@@ -477,9 +478,13 @@ def discover_plan(
             for name, style in block_plan.items()
         }
         plan.update(_vocabulary_plan(model, stack))
-    # Whatever holds parameters and is not split is replicated (norms, position embeddings).
+    # MoE blocks run whole on every rank (``lightdist.expert_parallel.run_moe_blocks_whole``): no style of their own.
+    moe = moe_blocks(model)
+    plan = {name: style for name, style in plan.items() if not any(within(name, block) for block in moe)}
+    # Whatever else holds parameters and is not split is replicated (norms, position embeddings).
     for name, module in model.named_modules():
-        if name not in plan and any(True for _ in module.parameters(recurse=False)):
+        moe_part = any(within(name, block) for block in moe)
+        if name not in plan and not moe_part and any(True for _ in module.parameters(recurse=False)):
             plan[name] = "replicate"
     return plan
 
@@ -710,7 +715,12 @@ def _column_parallel_parents(stack: DecoderStack, plan: dict[str, TensorParallel
 
 def _block_plan(model: nn.Module, stack: DecoderStack) -> dict[str, TensorParallelStyle]:
     """The styles of a block's Linear layers, by name inside the block: from a family's names, else the data flow."""
-    linears = [name for name, module in stack.blocks[0].named_modules() if is_projection(module)]
+    moe = moe_blocks(stack.blocks[0])  # a router Linear beside the experts is no projection to split
+    linears = [
+        name
+        for name, module in stack.blocks[0].named_modules()
+        if is_projection(module) and not any(within(name, block) for block in moe)
+    ]
     last_names = sorted({name.rsplit(".", 1)[-1] for name in linears})
     for rules in BLOCK_RULES.values():
         if linears and all(name in rules for name in last_names):

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.multirank
 
 EP2 = dict(expert_parallel_size=2)
 PP2 = dict(pipeline_parallel_size=2)
+TP2 = dict(tensor_parallel_size=2)
 HF_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3")
 
 # Compared with one process: no load-balancing loss.
@@ -52,6 +53,11 @@ MATCH_ONE_PROCESS = {
         "moe_pp2_ep2_clip": Case(strategy=dict(PP2, **EP2), model="moe_lm_only", gradient_clip_val=0.5),
         # its first layer dense, on the first stage: that stage splits one layer's experts, the other two
         "zoo_hf_deepseek_v3_pp2_ep2": Case(strategy=dict(PP2, **EP2), model="zoo_hf_deepseek_v3_logits"),
+        # attention split by tensor parallelism, the MoE blocks run whole on each tensor-parallel rank
+        "moe_tp2_ep2_clip": Case(strategy=dict(TP2, **EP2), model="moe_lm_only", gradient_clip_val=0.5),
+        "zoo_hf_olmoe_tp2_ep2_without_sequence_parallel": Case(
+            strategy=dict(TP2, **EP2, sequence_parallel=False), model="zoo_hf_olmoe_logits"
+        ),
         "zoo_hf_qwen2_moe_pp2_ep2_gpipe": Case(
             strategy=dict(PP2, **EP2, pipeline_schedule="gpipe", microbatches=4), model="zoo_hf_qwen2_moe_logits"
         ),
@@ -84,11 +90,6 @@ REFUSED = {
             Case(strategy=EP2, model="llama", steps=1),
             r"expert_parallel_size=2, but Llama has no MoE layer: .* Set expert_parallel_size=1 for a dense model",
         ),
-        "tensor_parallel_moe": (
-            Case(strategy=dict(tensor_parallel_size=2), model="zoo_hf_mixtral_logits", steps=1),
-            r"tensor_parallel_size=2, but HuggingFaceLogits is a Mixture-of-Experts model, whose MoE layers lightdist "
-            r"does not split by tensor parallelism yet. Set tensor_parallel_size=1",
-        ),
     },
     4: {
         "traced_pipeline": (
@@ -113,7 +114,7 @@ def parallel_results(world_size: int) -> dict[str, tuple[Result, Result]]:
     """Each case's expert-parallel run and its plain data-parallel twin, every case of a world size in one group of
     ranks; on two ranks also the refused runs."""
     paired = {**MATCH_ONE_PROCESS[world_size], **MATCH_DATA_PARALLEL[world_size]}
-    refused = REFUSED[world_size]
+    refused = REFUSED.get(world_size, {})
     cases = _with_twins(list(paired.values())) + [case for case, _ in refused.values()]
     results = merge_stages(run_ranks(world_size, train_cases, cases, world_size))  # a pipeline rank holds its stage
     found = {name: (results[2 * index], results[2 * index + 1]) for index, name in enumerate(paired)}
@@ -164,7 +165,9 @@ def assert_same_weights(run: Result, expected: Result) -> None:
 def test_expert_parallel_run_matches_one_process(world_size: int, name: str) -> None:
     case = MATCH_ONE_PROCESS[world_size][name]
     expert_parallel, data_parallel = parallel_results(world_size)[name]
-    assert_same_losses(expert_parallel, reference_results()[case.reference(world_size)], case)
+    single = reference_results()[case.reference(world_size)]
+    assert_same_losses(expert_parallel, single, case)
+    assert_same_losses(data_parallel, single, case)  # the same layout with every expert on every rank
     assert_same_weights(expert_parallel, data_parallel)
 
 
@@ -199,9 +202,9 @@ def test_models_expert_parallelism_cannot_split_are_refused(world_size: int, nam
     [
         (2, dict(expert_parallel_size=4), r"expert_parallel_size=4 does not divide data_parallel_size=2: .* Choose"),
         (
-            4,
-            dict(expert_parallel_size=2, tensor_parallel_size=2),
-            r"expert_parallel_size=2 with tensor_parallel_size=2: .* not yet with tensor parallelism. Set",
+            8,
+            dict(expert_parallel_size=2, pipeline_parallel_size=2, tensor_parallel_size=2),
+            r"expert_parallel_size=2 with pipeline_parallel_size=2 and tensor_parallel_size=2: .* not yet with both",
         ),
         (  # 4 stages of 1 rank: no data-parallel ranks to split the experts
             4,
