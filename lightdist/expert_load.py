@@ -31,17 +31,22 @@ class ExpertLoad:
         experts = find_experts(model)
         self.num_experts = experts.num_experts if experts is not None else 0
         self._counts: dict[str, Tensor] = {}
-        self._handles: list[RemovableHandle] = [
-            model.get_submodule(name).register_forward_pre_hook(partial(self._count, name), with_kwargs=True)
-            for name in (experts.names if experts is not None else [])
-        ]
+        self._handles: list[RemovableHandle] = []
+        for name in experts.names if experts is not None else []:
+            module = model.get_submodule(name)
+            # The expert indices: the forward's second argument, positional or by its name.
+            index_name = list(inspect.signature(module.forward).parameters)[1]
+            hook = partial(self._count, name, index_name)
+            self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
     def __bool__(self) -> bool:
         return bool(self._handles)
 
-    def _count(self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _count(
+        self, name: str, index_name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
         if module.training:
-            expert_index = list(inspect.signature(module.forward).bind(*args, **kwargs).arguments.values())[1]
+            expert_index = args[1] if len(args) > 1 else kwargs[index_name]
             counts = torch.bincount(local_tensor(expert_index).detach().flatten(), minlength=self.num_experts)
             self._counts[name] = self._counts[name] + counts if name in self._counts else counts
 

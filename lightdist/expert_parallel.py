@@ -24,17 +24,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 __all__ = [
     "ExpertModules",
     "apply_expert_parallel",
     "check_expert_layout",
     "check_expert_parallel",
+    "expert_layout_problem",
     "expert_mesh",
     "find_experts",
     "moe_blocks",
-    "run_moe_blocks_whole",
 ]
 
 EXPERT_MESH_DIM_NAMES = ("pp", "edp", "ep", "tp")
@@ -83,71 +83,29 @@ def moe_blocks(model: nn.Module) -> list[str]:
     return [] if experts is None else [name.rpartition(".")[0] for name in experts.names]
 
 
-def run_moe_blocks_whole(model: nn.Module) -> None:
-    """Under tensor parallelism, run each MoE block whole on every tensor-parallel rank, on the whole sequence.
-
-    Its router and experts stay unsplit (tensor parallelism splits attention); a block given the sequence-parallel
-    stream (a DTensor split along the sequence) gets it gathered as a plain tensor, and its output goes back into the
-    stream. Every tensor-parallel rank then routes the same tokens, so the router's load-balancing loss is plain data
-    parallelism's and expert parallelism runs alike on each tensor-parallel rank; the experts' compute is repeated on
-    each of them (Megatron splits the sequence between them instead)."""
-    for name in moe_blocks(model):
-        whole = _WholeOnEachRank()
-        block = model.get_submodule(name)
-        block.register_forward_pre_hook(whole.gather, with_kwargs=True)
-        block.register_forward_hook(whole.split, with_kwargs=True)
-
-
-class _WholeOnEachRank:
-    """The hooks around one MoE block: DTensor inputs gathered whole and made plain, outputs of the input's shape put
-    back as the input was placed."""
-
-    def __init__(self) -> None:
-        self.stream: DTensor | None = None
-
-    def gather(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        self.stream = next((x for x in (*args, *kwargs.values()) if isinstance(x, DTensor)), None)
-
-        def whole(x: Any) -> Any:
-            return (
-                x.redistribute(placements=[Replicate()] * x.device_mesh.ndim).to_local()
-                if isinstance(x, DTensor)
-                else x
-            )
-
-        return tuple(whole(x) for x in args), {key: whole(value) for key, value in kwargs.items()}
-
-    def split(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        stream, self.stream = self.stream, None
-        if stream is None:
-            return output
-
-        def placed(x: Any) -> Any:
-            if not isinstance(x, Tensor) or x.shape != stream.shape:
-                return x
-            replicated = DTensor.from_local(
-                x, stream.device_mesh, [Replicate()] * stream.device_mesh.ndim, run_check=False
-            )
-            return replicated.redistribute(placements=stream.placements)
-
-        return tuple(placed(x) for x in output) if isinstance(output, tuple) else placed(output)
-
-
-def check_expert_layout(ep: int, pp: int, dp: int, tp: int) -> None:
-    """Refuse an ``ep`` that the layout cannot take: as soon as the layout is known, before any process starts."""
+def expert_layout_problem(ep: int, pp: int, dp: int, tp: int) -> str | None:
+    """Why the layout cannot take ``ep`` (and what to choose instead), or ``None`` where it can."""
     if ep == 1:
-        return
+        return None
     if pp > 1 and tp > 1:
-        raise ValueError(
+        return (
             f"expert_parallel_size={ep} with pipeline_parallel_size={pp} and tensor_parallel_size={tp}: expert "
             "parallelism composes with pipelines and with tensor parallelism, not yet with both at once (on CPU ranks "
             "a step can then wait forever in a collective). Set pipeline_parallel_size=1 or tensor_parallel_size=1."
         )
     if dp % ep:
-        raise ValueError(
+        return (
             f"expert_parallel_size={ep} does not divide data_parallel_size={dp}: the ranks that split the experts are "
             "taken from the data-parallel ranks. Choose an expert_parallel_size that divides the data-parallel size."
         )
+    return None
+
+
+def check_expert_layout(ep: int, pp: int, dp: int, tp: int) -> None:
+    """Refuse an ``ep`` that the layout cannot take: as soon as the layout is known, before any process starts."""
+    problem = expert_layout_problem(ep, pp, dp, tp)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def check_expert_parallel(model: nn.Module, experts: ExpertModules | None, ep: int, mesh: DeviceMesh) -> None:

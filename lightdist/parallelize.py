@@ -26,7 +26,6 @@ from lightdist.expert_parallel import (
     check_expert_parallel,
     expert_mesh,
     find_experts,
-    run_moe_blocks_whole,
 )
 from lightdist.layout import ParallelLayout
 from lightdist.layout_probe import probe_layouts
@@ -280,7 +279,6 @@ def parallelize(
             sequence_parallel=config.sequence_parallel,
             loss_parallel=config.loss_parallel,
         )
-        run_moe_blocks_whole(model)
     split_experts = _split_experts(model, experts, mesh, config, report)
     _recompute_and_compile(stack.blocks, config)
     if not result.stages:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from lightdist.expert_parallel import find_experts
+from lightdist.expert_parallel import expert_layout_problem, find_experts
 from lightdist.pipeline.structural import balanced_split, stage_costs
 from lightdist.structure import find_decoder_stack
 from lightdist.tensor_parallel import TensorParallelStyle, check_divisible, discover_plan, replicated_key_values
@@ -73,9 +73,8 @@ class Layout:
         return f"pp={self.pp} x dp={self.dp} x tp={self.tp}{experts}, ZeRO-{self.zero_stage}{checkpointing}{pipeline}"
 
     def takes_experts(self) -> bool:
-        """Whether expert parallelism fits this layout: ``ep`` divides the data-parallel ranks, and pipeline and
-        tensor parallelism are not both on (``lightdist.expert_parallel.check_expert_layout``)."""
-        return self.ep == 1 or (self.dp % self.ep == 0 and (self.pp == 1 or self.tp == 1))
+        """Whether expert parallelism over ``ep`` ranks fits this layout, by the strategy's own rule."""
+        return expert_layout_problem(self.ep, self.pp, self.dp, self.tp) is None
 
 
 @dataclass(frozen=True)

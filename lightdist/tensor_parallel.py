@@ -22,7 +22,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -478,7 +478,7 @@ def discover_plan(
             for name, style in block_plan.items()
         }
         plan.update(_vocabulary_plan(model, stack))
-    # MoE blocks run whole on every rank (``lightdist.expert_parallel.run_moe_blocks_whole``): no style of their own.
+    # MoE blocks run whole on every rank (``_run_moe_blocks_whole``): no style of their own.
     moe = moe_blocks(model)
     plan = {name: style for name, style in plan.items() if not any(within(name, block) for block in moe)}
     # Whatever else holds parameters and is not split is replicated (norms, position embeddings).
@@ -529,6 +529,48 @@ def apply_tensor_parallel(
     for name, module in model.named_modules():
         if stack.contains(name) and not _inside(name, list(units)):
             _set_heads_per_rank(module, attention_heads(module), tp)
+    _run_moe_blocks_whole(model)
+
+
+def _run_moe_blocks_whole(model: nn.Module) -> None:
+    """Run each MoE block (router, experts, shared experts: outside the plan) whole on every tensor-parallel rank, on
+    the whole sequence: a block given the sequence-parallel stream gets it gathered, as a plain tensor, and its output
+    goes back into the stream. Every tensor-parallel rank then routes the same tokens, so the router's load-balancing
+    loss is plain data parallelism's and expert parallelism runs alike on each; the experts' compute is repeated on
+    each of them (Megatron splits the sequence between them instead)."""
+    for name in moe_blocks(model):
+        whole = _WholeOnEachRank()
+        block = model.get_submodule(name)
+        block.register_forward_pre_hook(whole.gather, with_kwargs=True)
+        block.register_forward_hook(whole.split, with_kwargs=True)
+
+
+class _WholeOnEachRank:
+    """The hooks around one MoE block: DTensor inputs gathered whole and made plain, outputs of the input's shape put
+    back as the input was placed."""
+
+    def __init__(self) -> None:
+        self.stream: DTensor | None = None
+
+    def gather(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.stream = next((x for x in (*args, *kwargs.values()) if isinstance(x, DTensor)), None)
+        args, kwargs = _replicate_dtensor_inputs(module, args, kwargs)
+        return _map_inputs(lambda x: x.to_local() if isinstance(x, DTensor) else x, args, kwargs)
+
+    def split(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        stream, self.stream = self.stream, None
+        if stream is None:
+            return output
+
+        def placed(x: Any) -> Any:
+            if not isinstance(x, Tensor) or x.shape != stream.shape:
+                return x
+            replicated = DTensor.from_local(
+                x, stream.device_mesh, [Replicate()] * stream.device_mesh.ndim, run_check=False
+            )
+            return replicated.redistribute(placements=stream.placements)
+
+        return tuple(placed(x) for x in output) if isinstance(output, tuple) else placed(output)
 
 
 def _holds_parameters(model: nn.Module, name: str) -> bool:

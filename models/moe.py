@@ -5,7 +5,7 @@ dim 0 (``gate_up_proj`` ``[E, 2F, H]``, ``down_proj`` ``[E, H, F]``), called wit
 load-balancing loss (Switch Transformer's, over this rank's tokens, as Megatron and Hugging Face compute it) reaches
 training through its gradient, injected in backward as Megatron's ``MoEAuxLossAutoScaler`` does: the model returns
 logits alone, so its loss is the language-model loss under any pipeline, and each layer keeps its last
-``aux_loss`` and ``tokens_per_expert`` for logging.
+``aux_loss`` for logging.
 """
 
 from __future__ import annotations
@@ -97,7 +97,6 @@ class MoE(nn.Module):
         self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
         self.experts = Experts(cfg)
         self.aux_loss: Tensor | None = None
-        self.tokens_per_expert: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         tokens = x.flatten(0, 1)
@@ -108,7 +107,7 @@ class MoE(nn.Module):
         # Switch Transformer's load-balancing loss: E * sum_e (share of routed pairs to e) * (mean probability of e).
         counts = torch.bincount(expert_index.flatten(), minlength=probs.size(-1))
         aux_loss = probs.size(-1) * (counts / expert_index.numel() * probs.mean(dim=0)).sum()
-        self.aux_loss, self.tokens_per_expert = aux_loss.detach(), counts
+        self.aux_loss = aux_loss.detach()
         return AuxLossGradient.apply(out, aux_loss, self.aux_loss_coef) if self.training else out
 
 
