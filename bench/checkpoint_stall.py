@@ -34,7 +34,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
-import s3fs
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -109,6 +108,7 @@ class SaveTimer(Callback):
             self._blocking[step] = self._lightdist_save(trainer, f"{root}/lightdist")
         else:
             timings.lightdist_upload = self._uploads.pop().result()
+            _remove(f"{root}/lightdist-first", f"{root}/lightdist")
             timings.lightdist_first_blocking = self._blocked(step - 2)
             timings.lightdist_blocking = self._blocked(step - 1)
             timings.next_step_slower = self.step_seconds[step] - self.median_step_without_saves()
@@ -137,6 +137,7 @@ class SaveTimer(Callback):
         upload = dcp.async_save(state, storage_writer=FsspecWriter(f"{root}/dcp-async"), process_group=group)
         timings.dcp_async_blocking = time.perf_counter() - start
         upload.result()
+        _remove(f"{root}/dcp-async")
         fs, path = url_to_fs(f"{root}/dcp-save")
         timings.state_bytes = fs.du(path)
         self._local_copy = self._local_copy or path  # the first target is local disk
@@ -148,6 +149,14 @@ class SaveTimer(Callback):
                 with open(name, "rb") as file:
                     os.fsync(file.fileno())
         timings.put = time.perf_counter() - start
+        fs.rm(put, recursive=True)
+
+
+def _remove(*urls: str) -> None:
+    """Saves already measured, so that the disk holds at most two states at once (the 1b state is 11 GB)."""
+    for url in urls:
+        fs, path = url_to_fs(url)
+        fs.rm(path, recursive=True)
 
 
 _POLLER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-upload-poll")
@@ -198,6 +207,8 @@ def s3_bucket(endpoint: str) -> str:
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         os.environ.setdefault(name, "testing")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    import s3fs  # here, so that a --local-only run needs no s3fs (the GPU machine has none)
+
     name = f"lightdist-bench-{uuid.uuid4().hex[:8]}"
     s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True).mkdir(name)
     return f"s3://{name}"

@@ -1,22 +1,28 @@
-"""Training throughput of the reference Llama on one device, three ways, in one run so the ratios are fair:
+"""Training throughput of the reference Llama on one device, several ways, in one run so the ratios are fair:
 
-1. plain PyTorch: the same model and a hand-written loop (AdamW, cross-entropy, nothing else);
-2. Lightning's own ``ModelParallelStrategy`` with FSDP2 applied per block in ``configure_model``;
-3. lightdist's ``ParallelStrategy`` (ZeRO-3, FSDP2 per block), the model unchanged.
+- ``plain``: the same model and a hand-written loop (AdamW, cross-entropy, nothing else);
+- ``plain-compile``: that loop around ``torch.compile(model)``, what a user of plain PyTorch writes for speed;
+- ``lightning``: Lightning's own ``ModelParallelStrategy`` with FSDP2 applied per block in ``configure_model``;
+- ``lightdist``: lightdist's ``ParallelStrategy`` (ZeRO-3, FSDP2 per block), the model unchanged;
+- ``lightdist-compile``: the same with ``compile=True`` (each block compiled, torchtitan's way);
+- ``lightdist-offload``: the same with ``cpu_offload=True`` (parameters, gradients and AdamW in CPU memory).
 
     python bench/throughput.py --preset 1b --batch-size 4 --seq-len 2048 --precision bf16-mixed   # one GPU
-    python bench/throughput.py --preset small --batch-size 4 --seq-len 256 --steps 12              # CPU
+    python bench/throughput.py --preset small --batch-size 4 --seq-len 256 --runs plain lightning lightdist  # CPU
 
 Prints tokens/s, step time, MFU (6N + attention FLOPs per token over the device's bf16 peak) and peak memory.
+``--profile FILE`` writes the operators of one timed step of the ``lightdist`` run, by device time.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -71,9 +77,33 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def plain_pytorch(args: argparse.Namespace, device: torch.device, data: RandomTokens) -> list[float]:
+class ProfileOneStep(Callback):
+    """torch.profiler around step ``step``; its operators by device time (CPU time on CPU) go to ``path``."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == self.step:
+            self.profiler = torch.profiler.profile()
+            self.profiler.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == self.step:
+            _synchronize(pl_module.device)
+            self.profiler.__exit__(None, None, None)
+            order = "self_device_time_total" if pl_module.device.type == "cuda" else "self_cpu_time_total"
+            with open(self.path, "w") as file:
+                file.write(self.profiler.key_averages().table(sort_by=order, row_limit=40, max_name_column_width=70))
+
+
+def plain_pytorch(
+    args: argparse.Namespace, device: torch.device, data: RandomTokens, compile: bool = False
+) -> list[float]:
     seed_everything(0)
     model = LlamaModel(Llama(args.preset).config).to(device)
+    if compile:
+        model = torch.compile(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16-mixed" else nullcontext()
     seconds = []
@@ -92,17 +122,18 @@ def plain_pytorch(args: argparse.Namespace, device: torch.device, data: RandomTo
     return seconds
 
 
-def lightning_trainer(strategy_factory: Callable, module_class: type[Llama]) -> Callable:
+def lightning_trainer(strategy_factory: Callable, module_class: type[Llama], profile: bool = False) -> Callable:
     def run(args: argparse.Namespace, device: torch.device, data: RandomTokens) -> list[float]:
         seed_everything(0)
         timer = StepTimer()
+        profiler = [ProfileOneStep(args.warmup, args.profile)] if profile and args.profile else []
         trainer = Trainer(
             accelerator=device.type,
             devices=1,
             strategy=strategy_factory(),
             precision=args.precision,
             max_steps=args.steps,
-            callbacks=[timer],
+            callbacks=[timer, *profiler],
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -114,12 +145,25 @@ def lightning_trainer(strategy_factory: Callable, module_class: type[Llama]) -> 
     return run
 
 
-RUNS = {
-    "plain PyTorch": plain_pytorch,
-    "Lightning ModelParallelStrategy (FSDP2)": lightning_trainer(
-        lambda: ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1), LlamaWithFSDP2
+RUNS = {  # option name: (printed name, run)
+    "plain": ("plain PyTorch", plain_pytorch),
+    "plain-compile": ("plain PyTorch + torch.compile", partial(plain_pytorch, compile=True)),
+    "lightning": (
+        "Lightning ModelParallelStrategy (FSDP2)",
+        lightning_trainer(lambda: ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1), LlamaWithFSDP2),
     ),
-    "lightdist ParallelStrategy (ZeRO-3)": lightning_trainer(lambda: ParallelStrategy(zero_stage=3), Llama),
+    "lightdist": (
+        "lightdist ParallelStrategy (ZeRO-3)",
+        lightning_trainer(lambda: ParallelStrategy(zero_stage=3), Llama, profile=True),
+    ),
+    "lightdist-compile": (
+        "lightdist ParallelStrategy (ZeRO-3, compile)",
+        lightning_trainer(lambda: ParallelStrategy(zero_stage=3, compile=True), Llama),
+    ),
+    "lightdist-offload": (
+        "lightdist ParallelStrategy (ZeRO-3, cpu_offload)",
+        lightning_trainer(lambda: ParallelStrategy(zero_stage=3, cpu_offload=True), Llama),
+    ),
 }
 
 
@@ -132,6 +176,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak, if not in the table")
+    parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), help="which, in this order")
+    parser.add_argument("--profile", default=None, help="file for the operators of one step of the lightdist run")
     args = parser.parse_args()
     if args.steps <= args.warmup:
         parser.error(f"--steps={args.steps} must exceed --warmup={args.warmup} to leave timed steps.")
@@ -148,19 +194,31 @@ def main() -> None:
     print(f"Llama {args.preset}, batch {args.batch_size} x {args.seq_len}, {args.precision}, on {device_name}")
     print(f"{'run':42s} {'tokens/s':>10s} {'step ms':>9s} {'MFU':>7s} {'peak GiB':>9s} {'vs plain':>9s}")
     baseline = None
-    for name, run in RUNS.items():
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
+    for name, run in (RUNS[key] for key in args.runs):
+        memory_before = _release_earlier_runs(device)
         step = statistics.median(run(args, device, data)[args.warmup :])
         tokens_per_second = tokens_per_step / step
         baseline = baseline or tokens_per_second
         mfu = f"{100 * flops_per_token * tokens_per_second / peak:6.1f}%" if peak else "    n/a"
-        memory = f"{torch.cuda.max_memory_allocated(device) / 2**30:9.2f}" if device.type == "cuda" else "      n/a"
+        memory = "      n/a"
+        if device.type == "cuda":
+            memory = f"{(torch.cuda.max_memory_allocated(device) - memory_before) / 2**30:9.2f}"
         print(
             f"{name:42s} {tokens_per_second:10.0f} {1000 * step:9.1f} {mfu} {memory} "
             f"{tokens_per_second / baseline:8.3f}x"
         )
+
+
+def _release_earlier_runs(device: torch.device) -> int:
+    """Free what earlier runs left (compiled graphs hold their models); the bytes still allocated, so that each run's
+    peak is its own."""
+    gc.collect()
+    torch.compiler.reset()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
 
 
 def _meta_model(config) -> LlamaModel:

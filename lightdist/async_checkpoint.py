@@ -146,6 +146,9 @@ class CheckpointSaver:
             self._last_job.result()
 
     def _staging_area(self) -> DefaultStager:
+        if self._stager is not None and not _STAGER_STAGES_TWICE:
+            self._stager.close()  # its one staging is done: save() waited for it
+            self._stager = None
         if self._stager is None:
             cuda = torch.cuda.is_available()
             # Pinned memory makes the device-to-host copy fast; shared memory hands it to the daemon process
@@ -211,6 +214,12 @@ class CheckpointSaver:
         message = f"lightdist: {problem}. Training goes on; the previous complete checkpoint is kept."
         self.failures.append(message)
         log.error(message)
+
+
+# torch 2.11's DefaultStager closes its state-dict stager after each staging, so a second staging fails (KeyError:
+# <class 'type'>, from the emptied copy table): there a save gets a stager of its own, which allocates its pinned
+# buffers anew. From torch 2.13 one stager stages every save and keeps its buffers.
+_STAGER_STAGES_TWICE = torch.__version__ >= "2.13"
 
 
 def buffers_copied(module: nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:

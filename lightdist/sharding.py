@@ -134,11 +134,14 @@ class ShardedOptimizer(Optimizer):
 def step_mixed_meshes_per_tensor(optimizers: Iterable[Optimizer]) -> None:
     """Let each optimizer step its groups that hold DTensors of more than one mesh (experts split over
     ``("edp", "ep")``, the rest over ``dp``) one tensor at a time: torch's foreach kernels refuse DTensors of different
-    meshes in one call (torch 2.13). Groups of one mesh keep their foreach kernels."""
+    meshes in one call (torch 2.13). Fused kernels (the reference models' on GPUs) are turned off there too: they have
+    not been run across meshes. Groups of one mesh keep their kernels."""
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             if len({p.device_mesh for p in group["params"] if isinstance(p, DTensor)}) > 1:
                 group["foreach"] = False
+                if group.get("fused"):
+                    group["fused"] = False
 
 
 def _deal_out(params: list[Tensor], ranks: int) -> dict[Tensor, int]:

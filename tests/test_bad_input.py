@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins import AsyncCheckpointIO
 from torch import nn
+from torch.torch_version import TorchVersion
 from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 
@@ -88,6 +89,21 @@ def test_invalid_options_are_rejected_when_the_strategy_is_built(options: dict, 
 def test_cpu_offload_on_cpu_accelerator_is_rejected() -> None:
     with pytest.raises(ValueError, match=r"cpu_offload=True .* but the accelerator is the CPU. Drop cpu_offload"):
         Trainer(accelerator="cpu", devices=2, strategy=ParallelStrategy(cpu_offload=True))
+
+
+def test_zero_bubble_is_refused_on_a_torch_whose_split_backward_takes_tensors_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.11.0"))
+    with pytest.raises(NotImplementedError, match=r"needs torch 2.13 .* this is torch 2.11.0: .*='interleaved_1f1b'"):
+        ParallelStrategy(pipeline_parallel_size=2, pipeline_schedule="zero_bubble")
+
+
+def test_fp16_mixed_is_refused_with_the_precisions_that_run() -> None:
+    """fp16 needs a gradient scaler whose overflow check spans every rank's shards; lightdist has none. Lightning
+    refuses it for ModelParallelStrategy, which ParallelStrategy is, as the Trainer is built."""
+    with pytest.raises(ValueError, match=r"precision='16-mixed'.* Choose a different precision among: .*bf16-mixed"):
+        Trainer(accelerator="cpu", devices=2, strategy=ParallelStrategy(), precision="16-mixed")
 
 
 def test_v_shaped_schedule_is_refused_with_the_reason() -> None:

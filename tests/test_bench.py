@@ -9,9 +9,10 @@ from pathlib import Path
 BENCH = Path(__file__).parents[1] / "bench" / "throughput.py"
 
 
-def test_throughput_benchmark_prints_all_three_runs(tmp_path: Path) -> None:
+def test_throughput_benchmark_prints_the_runs_asked_for_and_a_profile(tmp_path: Path) -> None:
+    options = ["--preset", "tiny", "--seq-len", "32", "--steps", "3", "--warmup", "1", "--profile", "ops.txt"]
     run = subprocess.run(
-        [sys.executable, str(BENCH), "--preset", "tiny", "--seq-len", "32", "--steps", "3", "--warmup", "1"],
+        [sys.executable, str(BENCH), *options, "--runs", "plain", "lightning", "lightdist"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -24,6 +25,7 @@ def test_throughput_benchmark_prints_all_three_runs(tmp_path: Path) -> None:
         "Lightning ModelParallelStrategy (FSDP2)",
         "lightdist ParallelStrategy (ZeRO-3)",
     ]
+    assert "aten::mm" in (tmp_path / "ops.txt").read_text()
 
 
 def test_pipeline_bubble_benchmark_counts_microbatches_in_flight(tmp_path: Path) -> None:

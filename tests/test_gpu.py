@@ -50,9 +50,11 @@ def test_activation_checkpointing_on_gpu_recomputes_the_same_bf16_losses(activat
 
 
 def test_a_checkpoint_saved_from_gpu_memory_resumes_with_the_uninterrupted_losses(tmp_path: Path) -> None:
-    case = Case(accelerator="cuda", strategy={"zero_stage": 3}, steps=STEPS)
+    # Stopped at an epoch's end, as test_resume does: Lightning resumes a checkpoint saved after fit() at the next
+    # epoch's start, and the same run (so the same LR schedule) stopped early, as a preempted job would be.
+    case = Case(accelerator="cuda", strategy={"zero_stage": 3}, steps=STEPS, limit_train_batches=STEPS // 2)
     (whole,) = run_ranks(1, training.train, case)
-    half = Case(accelerator="cuda", strategy={"zero_stage": 3}, steps=STEPS // 2)
-    run_ranks(1, partial(training.train, save_to=str(tmp_path / "half.ckpt")), half)
+    stopped = partial(training.train, callbacks=[training.StopAfter(STEPS // 2)], save_to=str(tmp_path / "half.ckpt"))
+    run_ranks(1, stopped, case)
     (resumed,) = run_ranks(1, partial(training.train, resume_from=str(tmp_path / "half.ckpt")), case)
     torch.testing.assert_close(resumed.losses, whole.losses[STEPS // 2 :], rtol=1e-5, atol=0)

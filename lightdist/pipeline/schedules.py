@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
@@ -52,6 +53,12 @@ def check_schedule(pipeline_schedule: str, virtual_stages: int | None, microbatc
     if pipeline_schedule not in SCHEDULES:
         raise ValueError(
             f"pipeline_schedule={pipeline_schedule!r} is not one of {', '.join(PipelineSchedule.__args__)}."
+        )
+    if pipeline_schedule == "zero_bubble" and torch.__version__ < "2.13":
+        raise NotImplementedError(
+            f"pipeline_schedule='zero_bubble' needs torch 2.13 or later, and this is torch {torch.__version__}: its "
+            "split backward takes only tensors as a stage's inputs, where lightdist's stages also take the step's "
+            "other arguments. Upgrade torch, or use pipeline_schedule='interleaved_1f1b'."
         )
     if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
         raise ValueError(f"microbatches={microbatches!r} must be a positive integer or None.")
