@@ -33,7 +33,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
@@ -413,6 +413,17 @@ def _over_microbatches(values: list[Tensor], reduce_fx: Any) -> Tensor:
     return _OVER_MICROBATCHES.get(reduce_fx, torch.mean)(torch.stack(values))
 
 
+def _received_activations_need_gradients(stage: nn.Module, received: tuple[Any, ...]) -> None:
+    """torch 2.11 makes a stage's receive buffers at its schedule's first call, needing gradients only if that call
+    trains: after a validation first (Lightning's sanity check), training's would send the previous stage no gradient
+    ("has gradients None and is expecting to send gradients"). Every one, as torch 2.11 itself makes them for training;
+    torch 2.13 asks the sending stage which need them, from the start."""
+    if torch.is_grad_enabled():
+        for tensor in received:
+            if isinstance(tensor, Tensor) and tensor.is_leaf and tensor.is_floating_point():
+                tensor.requires_grad_(True)
+
+
 def pipeline_step_over(
     module: LightningModule,
     parallelized: Parallelized,
@@ -428,6 +439,9 @@ def pipeline_step_over(
         PipelineStage(stage, index, parallelized.stage_count, device, group=pp_group)
         for stage, index in zip(parallelized.stages, parallelized.stage_indices, strict=True)
     ]
+    for stage, index in zip(parallelized.stages, parallelized.stage_indices, strict=True):
+        if index > 0 and torch.__version__ < "2.13":
+            stage.register_forward_pre_hook(_received_activations_need_gradients)
     return PipelineStep(
         module,
         stages,
