@@ -11,7 +11,9 @@ out=${OUT:-bench-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 if ! python3 -c "import lightdist.plugins" 2>/dev/null; then
-    # The wheels a GPU image lacks (.whl, when carried) and lightdist itself, into a folder of their own.
+    # lightdist and the wheels a GPU image without network lacks, downloaded into .whl/ beforehand (torchdata; for the
+    # tests litgpt, jsonargparse, docstring-parser, typeshed-client), into a folder of their own.
+    shopt -s nullglob
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/lightdist-site . .whl/*.whl
     export PYTHONPATH=/tmp/lightdist-site
 fi
