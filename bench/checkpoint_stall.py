@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from lightdist.models import Llama, TokenDataModule
 from lightdist.plugins import ParallelStrategy
-from lightdist.storage import is_complete
+from lightdist.storage import is_complete, remove
 
 
 @dataclass
@@ -108,7 +108,8 @@ class SaveTimer(Callback):
             self._blocking[step] = self._lightdist_save(trainer, f"{root}/lightdist")
         else:
             timings.lightdist_upload = self._uploads.pop().result()
-            _remove(f"{root}/lightdist-first", f"{root}/lightdist")
+            remove(f"{root}/lightdist-first")  # measured: the disk holds at most two states (the 1b one is 11 GB)
+            remove(f"{root}/lightdist")
             timings.lightdist_first_blocking = self._blocked(step - 2)
             timings.lightdist_blocking = self._blocked(step - 1)
             timings.next_step_slower = self.step_seconds[step] - self.median_step_without_saves()
@@ -137,7 +138,7 @@ class SaveTimer(Callback):
         upload = dcp.async_save(state, storage_writer=FsspecWriter(f"{root}/dcp-async"), process_group=group)
         timings.dcp_async_blocking = time.perf_counter() - start
         upload.result()
-        _remove(f"{root}/dcp-async")
+        remove(f"{root}/dcp-async")
         fs, path = url_to_fs(f"{root}/dcp-save")
         timings.state_bytes = fs.du(path)
         self._local_copy = self._local_copy or path  # the first target is local disk
@@ -150,13 +151,6 @@ class SaveTimer(Callback):
                     os.fsync(file.fileno())
         timings.put = time.perf_counter() - start
         fs.rm(put, recursive=True)
-
-
-def _remove(*urls: str) -> None:
-    """Saves already measured, so that the disk holds at most two states at once (the 1b state is 11 GB)."""
-    for url in urls:
-        fs, path = url_to_fs(url)
-        fs.rm(path, recursive=True)
 
 
 _POLLER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-upload-poll")

@@ -50,8 +50,8 @@ def test_activation_checkpointing_on_gpu_recomputes_the_same_bf16_losses(activat
 
 
 def test_a_checkpoint_saved_from_gpu_memory_resumes_with_the_uninterrupted_losses(tmp_path: Path) -> None:
-    # Stopped at an epoch's end, as test_resume does: Lightning resumes a checkpoint saved after fit() at the next
-    # epoch's start, and the same run (so the same LR schedule) stopped early, as a preempted job would be.
+    # The whole run stopped early, as a preempted job is, so that both have one LR schedule; and at an epoch's end, as
+    # in test_resume: Lightning resumes a checkpoint saved after fit() at the start of the next epoch.
     case = Case(accelerator="cuda", strategy={"zero_stage": 3}, steps=STEPS, limit_train_batches=STEPS // 2)
     (whole,) = run_ranks(1, training.train, case)
     stopped = partial(training.train, callbacks=[training.StopAfter(STEPS // 2)], save_to=str(tmp_path / "half.ckpt"))
