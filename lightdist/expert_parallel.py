@@ -83,16 +83,10 @@ def moe_blocks(model: nn.Module) -> list[str]:
     return [] if experts is None else [name.rpartition(".")[0] for name in experts.names]
 
 
-def expert_layout_problem(ep: int, pp: int, dp: int, tp: int) -> str | None:
+def expert_layout_problem(ep: int, dp: int) -> str | None:
     """Why the layout cannot take ``ep`` (and what to choose instead), or ``None`` where it can."""
     if ep == 1:
         return None
-    if pp > 1 and tp > 1:
-        return (
-            f"expert_parallel_size={ep} with pipeline_parallel_size={pp} and tensor_parallel_size={tp}: expert "
-            "parallelism composes with pipelines and with tensor parallelism, not yet with both at once (on CPU ranks "
-            "a step can then wait forever in a collective). Set pipeline_parallel_size=1 or tensor_parallel_size=1."
-        )
     if dp % ep:
         return (
             f"expert_parallel_size={ep} does not divide data_parallel_size={dp}: the ranks that split the experts are "
@@ -101,16 +95,16 @@ def expert_layout_problem(ep: int, pp: int, dp: int, tp: int) -> str | None:
     return None
 
 
-def check_expert_layout(ep: int, pp: int, dp: int, tp: int) -> None:
+def check_expert_layout(ep: int, dp: int) -> None:
     """Refuse an ``ep`` that the layout cannot take: as soon as the layout is known, before any process starts."""
-    problem = expert_layout_problem(ep, pp, dp, tp)
+    problem = expert_layout_problem(ep, dp)
     if problem is not None:
         raise ValueError(problem)
 
 
 def check_expert_parallel(model: nn.Module, experts: ExpertModules | None, ep: int, mesh: DeviceMesh) -> None:
     """Refuse an ``ep`` that the model or the ``("pp", "dp", "tp")`` mesh cannot take, before anything is split."""
-    check_expert_layout(ep, *mesh.mesh.shape)
+    check_expert_layout(ep, mesh["dp"].size())
     name = type(model).__name__
     if experts is None:
         raise ValueError(
@@ -174,8 +168,13 @@ class ExpertParallel:
 
         with self._local_experts():
             computed = super().forward(arrived, arrived_expert[:, None], arrived.new_ones(len(arrived), 1))
-            if not len(arrived):  # no token came: the experts still get a (zero) gradient, as every dp peer's do
-                computed = computed + sum(p.sum() for p in self._local_parameters().values()) * 0
+            if not len(arrived):
+                # No token came, so the experts' own forward may not have read ``arrived`` (Hugging Face's and ours
+                # loop over the experts hit). Keep it in the graph: the backward must send gradients back through
+                # both all-to-alls, as the peers that got tokens do, or they wait forever; and the experts get a
+                # (zero) gradient, as every dp peer's do.
+                unused = arrived.sum() + sum(p.sum() for p in self._local_parameters().values())
+                computed = computed + unused * 0
         returned = _all_to_all(computed, sent, received, self.ep_group)
         per_pair = returned[torch.argsort(order)].view(pairs // top_k, top_k, -1)
         return (per_pair * weights[..., None]).sum(dim=1).to(tokens.dtype)

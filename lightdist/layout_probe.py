@@ -41,6 +41,7 @@ from lightdist.tensor_parallel import (
     check_divisible,
     parallel_styles,
     prepare_units,
+    reorder_optimizer_state,
 )
 from lightdist.torch_internals import tree_leaves, tree_map
 
@@ -122,15 +123,25 @@ def _unit_inputs(model: nn.Module, stack: DecoderStack, names: list[str]) -> dic
 def _first_layout_that_matches(
     unit: nn.Module, plan: dict[str, TensorParallelStyle], tp_mesh: DeviceMesh, inputs: tuple[tuple, dict]
 ) -> tuple[UnitLayout | None, dict[str, str], dict[str, int]]:
-    """The first layout whose output equals the unsplit unit's on every rank, what the ones before it did, and the
-    collectives of one call in it."""
+    """The first layout whose output and weights' gradients equal the unsplit unit's on every rank, what the ones
+    before it did, and the collectives of one call in it.
+
+    Gradients too: a norm of each head's queries (Qwen3's ``q_norm``) gives the right output on each rank's heads, but
+    its replicated weight's gradient then sums that rank's heads only."""
     numeric = dist.get_backend(tp_mesh.get_group()) != "fake" and _size(unit) <= NUMERIC_CHECK_LIMIT
     device = torch.device(tp_mesh.device_type if numeric else "meta")
     reference = _seeded_copy(unit, device)
     inputs = _seeded_inputs(inputs, device)
     args, kwargs = copy.deepcopy(inputs)
-    with torch.no_grad():
-        expected = [x for x in tree_leaves(reference(*args, **kwargs)) if isinstance(x, Tensor)]
+    expected = [x for x in tree_leaves(reference(*args, **kwargs)) if isinstance(x, Tensor)]
+    expected_gradients: dict[str, Tensor] = {}
+    if numeric:
+        try:
+            _backward(expected)
+            expected_gradients = _gradients(reference)
+        except RuntimeError:  # the unit's code has no backward (a kernel with no autograd): each layout says so below
+            pass
+    expected = [x.detach() for x in expected]
     failures: dict[str, str] = {}
     candidates = _LAYOUTS if attention_heads(unit) is not None else ("fast", "global")
     for layout in candidates:
@@ -149,9 +160,9 @@ def _first_layout_that_matches(
                 with comm:
                     output = [x for x in tree_leaves(split(*args, **kwargs)) if isinstance(x, Tensor)]
                 failure = _difference(output, expected)
-                trained = [_whole(x).sum() for x in output if x.requires_grad]
-                if not failure and trained:  # and backward runs too
-                    torch.stack(trained).sum().backward()
+                if not failure:  # and backward runs too
+                    _backward(output)
+                    failure = _gradient_difference(_gradients(split), expected_gradients)
         except Exception as error:  # the unit's own code, on shapes it was not written for
             failure = f"{type(error).__name__}: {str(error).rstrip('.')}{_in_own_code(error, unit)}"
         if _all_ranks_agree(not failure, tp_mesh):
@@ -244,6 +255,34 @@ def _difference(output: list[Tensor], expected: list[Tensor]) -> str:
         error = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-12)
         if error > 1e-4:
             return f"wrong outputs (relative error {error:.2g})"
+    return ""
+
+
+def _backward(outputs: list[Tensor]) -> None:
+    trained = [_whole(x).sum() for x in outputs if x.requires_grad]
+    if trained:
+        torch.stack(trained).sum().backward()
+
+
+def _gradients(unit: nn.Module) -> dict[str, Tensor]:
+    """The weights' gradients by name, whole, those of fused projections back in the model's row order (as Adam's
+    moments are put for a checkpoint)."""
+    state = {name: {"grad": p.grad} for name, p in unit.named_parameters() if p.grad is not None and not p.grad.is_meta}
+    state = reorder_optimizer_state(unit, {"state": state}, to_model_layout=True)["state"]
+    return {name: _whole(tensors["grad"]) for name, tensors in state.items()}
+
+
+def _gradient_difference(gradients: dict[str, Tensor], expected: dict[str, Tensor]) -> str:
+    """Each gradient's error relative to its size, or to a hundredth of the unit's largest: a gradient that is zero
+    but for rounding (a key bias's: softmax ignores a constant added to a query's scores) has no size of its own."""
+    largest = max((want.abs().max().item() for want in expected.values()), default=0.0)
+    for name, want in expected.items():
+        got = gradients.get(name)
+        if got is None:
+            return f"no gradient for {name}"
+        error = (got - want).abs().max().item() / max(want.abs().max().item(), largest / 100, 1e-12)
+        if error > 1e-4:
+            return f"a wrong gradient of {name} (relative error {error:.2g})"
     return ""
 
 

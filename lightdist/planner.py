@@ -74,7 +74,7 @@ class Layout:
 
     def takes_experts(self) -> bool:
         """Whether expert parallelism over ``ep`` ranks fits this layout, by the strategy's own rule."""
-        return expert_layout_problem(self.ep, self.pp, self.dp, self.tp) is None
+        return expert_layout_problem(self.ep, self.dp) is None
 
 
 @dataclass(frozen=True)

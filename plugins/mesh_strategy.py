@@ -113,7 +113,7 @@ class MeshStrategy(ModelParallelStrategy):
             self.num_nodes = nodes_started_by_torchrun(self.num_nodes, report=rank_zero_info)
         if not self._sizes.planned:
             self._layout = self._resolve_layout()
-            check_expert_layout(self._config.expert_parallel_size, self._layout.pp, self._layout.dp, self._layout.tp)
+            check_expert_layout(self._config.expert_parallel_size, self._layout.dp)
         if self._config.cpu_offload and self.root_device.type == "cpu":
             raise ValueError(
                 "cpu_offload=True moves sharded state from accelerator memory to CPU memory, but the accelerator is "

@@ -64,7 +64,8 @@ ON_TWO_RANKS = {
     "3d": [*TINY_LLAMA, f"{STRATEGY}.tensor_parallel_size=1"],  # its pipeline of 2 stages
     "hf_qwen2": TINY_QWEN2,
     "s3": TINY_LLAMA,
-    "moe_cpu": [f"{STRATEGY}.tensor_parallel_size=1"],  # its 2 expert-parallel ranks, the 2 data-parallel ones
+    # its 2 expert-parallel ranks, the 2 data-parallel ones
+    "moe_cpu": [f"{STRATEGY}.pipeline_parallel_size=1", f"{STRATEGY}.tensor_parallel_size=1"],
 }
 
 

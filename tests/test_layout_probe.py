@@ -154,7 +154,7 @@ def probed_on_two_ranks() -> list:
     return run_ranks(2, probe_each)[0]
 
 
-PROBED = ["llama", "hf_qwen2", "hf_opt", "zoo_nanogpt", "zoo_hf_gpt2_labels", "zoo_litgpt"]
+PROBED = ["llama", "hf_qwen2", "hf_opt", "zoo_nanogpt", "zoo_hf_gpt2_labels", "zoo_litgpt", "zoo_hf_qwen3_logits"]
 
 
 def test_each_unit_runs_in_the_first_layout_that_computes_what_one_process_computes() -> None:
@@ -172,7 +172,11 @@ def test_each_unit_runs_in_the_first_layout_that_computes_what_one_process_compu
         "zoo_litgpt": {"attn": "adapted", "mlp": "fast"},
         # runs on local shards, wrongly: caught by its output, not by an error
         "constant_heads": {"attn": "global", "mlp": "fast"},
+        # right outputs on local shards, but q_norm's weight would see only its rank's heads: caught by its gradient
+        "zoo_hf_qwen3_logits": {"self_attn": "global", "mlp": "fast"},
     }
+    (qwen3_report,) = probed["zoo_hf_qwen3_logits"][1]
+    assert "fast: a wrong gradient of q_norm.weight (relative error" in qwen3_report
     (nanogpt_report,) = probed["zoo_nanogpt"][1]
     assert nanogpt_report.startswith(
         "lightdist: model.transformer.h.*.attn (CausalSelfAttention) runs tensor-parallel global, since fast: "

@@ -134,6 +134,18 @@ class TwoStreamLM(nn.Module):
         return self.head(x + residual)
 
 
+class MoELlamaRoutedToTheFirstExperts(MoELlama):
+    """Every router prefers experts 0 and 1 by far (a bias a few steps cannot unlearn), so under ep=2 the second
+    rank's experts get no token at all."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__("tiny", config={"aux_loss_coef": 0.0}, **kwargs)
+        for layer in self.model.layers:
+            preferred = torch.zeros(self.config.n_experts)
+            preferred[:2] = 8.0
+            layer.mlp.gate.bias = nn.Parameter(preferred)
+
+
 # Final weights after a few AdamW steps of lr=1e-3. Adam moves a weight whose gradient is near zero by lr * m /
 # (sqrt(v) + eps), which rounding in that gradient shifts by a few percent of lr: one weight in 11k of LitGPT's MLP ends
 # 1.8e-5 apart at tp=2, where the same runs with SGD end 7.5e-8 apart; one in 12k of GPT-2's fused qkv 1.2e-5 apart
@@ -164,6 +176,7 @@ MODELS = {
     # The load-balancing loss is over each rank's tokens, so only without it does data parallelism equal one process.
     "moe_lm_only": partial(MoELlama, "tiny", config={"aux_loss_coef": 0.0}),
     "moe_3_experts": partial(MoELlama, "tiny", config={"n_experts": 3}),
+    "moe_routed_to_the_first_experts": MoELlamaRoutedToTheFirstExperts,
     "hf_mixtral": partial(
         HuggingFaceCausalLM, config=dict(zoo.HF_TINY_MOE, model_type="mixtral", **zoo.HF_MOE_FAMILIES["mixtral"])
     ),
@@ -185,6 +198,10 @@ MODELS = {
         zoo.HuggingFaceBaseAndHead, model_type="llama", num_key_value_heads=2, **zoo.HF_TINY
     ),
     "zoo_hf_mistral_logits": partial(zoo.HuggingFaceLogits, model_type="mistral", num_key_value_heads=2, **zoo.HF_TINY),
+    # Each head's queries and keys normed (q_norm, k_norm) after the projections: their weights see every head
+    "zoo_hf_qwen3_logits": partial(
+        zoo.HuggingFaceLogits, model_type="qwen3", num_key_value_heads=2, head_dim=16, **zoo.HF_TINY
+    ),
     "zoo_hf_gemma_labels": partial(
         zoo.HuggingFaceLabels, model_type="gemma", num_key_value_heads=1, head_dim=16, **zoo.HF_TINY
     ),
