@@ -106,6 +106,14 @@ def check_expert_parallel(model: nn.Module, experts: ExpertModules | None, ep: i
     """Refuse an ``ep`` that the model or the ``("pp", "dp", "tp")`` mesh cannot take, before anything is split."""
     check_expert_layout(ep, mesh["dp"].size())
     name = type(model).__name__
+    listed = _listed_experts(model) if experts is None else None
+    if listed is not None:
+        raise ValueError(
+            f"expert_parallel_size={ep}, but {name} holds its experts as a list of modules ({listed}) that its own "
+            "code calls one by one, which cannot send tokens to another rank. Expert parallelism splits experts "
+            "stacked in one module's weights whose forward takes (tokens, expert_index, weights), as Hugging Face "
+            "transformers 5 holds them. Stack the experts so, or set expert_parallel_size=1."
+        )
     if experts is None:
         raise ValueError(
             f"expert_parallel_size={ep}, but {name} has no MoE layer: no module stacks experts' weights on dim 0 and "
@@ -249,6 +257,18 @@ def _declared_experts(model: nn.Module) -> list[str] | None:
             f"{prefix}.{name}" if prefix else name for name, _ in module.named_modules() if _matches(name, patterns)
         ]
         return names or None  # a module below the plan's base (an experts module keeps the config too): discover
+    return None
+
+
+def _listed_experts(model: nn.Module) -> str | None:
+    """Where ``model`` holds experts as a list of like modules beside their router (a Linear with one output per
+    expert), as transformers 4 held Mixtral's: "name: count x class"."""
+    for prefix, module in model.named_modules():
+        for name, child in module.named_children():
+            if not isinstance(child, nn.ModuleList) or len(child) < 2 or len({type(m) for m in child}) > 1:
+                continue
+            if any(isinstance(m, nn.Linear) and m.out_features == len(child) for m in module.children()):
+                return f"{prefix}.{name}: {len(child)} x {type(child[0]).__name__}".lstrip(".")
     return None
 
 

@@ -9,7 +9,7 @@ the user's loss.
 
 A plan is a mapping from module name to style. It comes from, first that applies: the ``tp_plan`` option
 (``fnmatch`` patterns, so ``"model.layers.*.self_attn.q_proj"`` works); the model's own plan (Hugging Face models
-carry one as ``_tp_plan``); the name rules below, matched against the Linear layers of the first decoder block; the
+carry one as ``tp_plan``); the name rules below, matched against the Linear layers of the first decoder block; the
 data flow of that block (``lightdist.dataflow``).
 Every other module with parameters is replicated.
 """
@@ -45,7 +45,7 @@ from lightdist.dataflow import trace_block_plan
 from lightdist.expert_parallel import moe_blocks
 from lightdist.pipeline.tied import tied_names
 from lightdist.structure import DecoderStack, in_features, is_conv1d, is_projection, out_features, within
-from lightdist.torch_internals import compute_local_shape_and_global_offset, declared_tp_plan, style_io_hooks, tree_map
+from lightdist.torch_internals import compute_local_shape_and_global_offset, style_io_hooks, tree_map
 
 __all__ = [
     "BLOCK_RULES",
@@ -111,7 +111,7 @@ BLOCK_RULES: dict[str, dict[str, TensorParallelStyle]] = {
 }
 
 # Attributes attention code reads to reshape its projections; under tensor parallelism each rank holds 1/tp of them.
-# Hugging Face's names for the styles it writes into models' ``_tp_plan``.
+# Hugging Face's names for the styles it writes into models' ``tp_plan``.
 HUGGING_FACE_STYLES: dict[str, TensorParallelStyle] = {
     "colwise": "colwise",
     "rowwise": "rowwise",
@@ -790,8 +790,8 @@ def _hugging_face_plan(model: nn.Module) -> dict[str, TensorParallelStyle] | Non
     """The plan a Hugging Face model carries, in lightdist's styles and full module names; ``None`` where it has none,
     or one with styles lightdist does not apply (Phi-3's ``rowwise_split_input``): its own discovery serves then."""
     for name, module in model.named_modules():
-        own = declared_tp_plan(module)
-        if not own:
+        own = getattr(module, "tp_plan", None)  # transformers' public view of the plan a model declares
+        if not isinstance(own, dict) or not own:
             continue
         if any(style not in HUGGING_FACE_STYLES for style in own.values()):
             return None

@@ -1,4 +1,4 @@
-"""The private names of torch (and of Hugging Face transformers, built on it) that lightdist relies on, in one place.
+"""The private names of torch that lightdist relies on, in one place.
 
 torch promises nothing about its private names: an upgrade may rename or change any of them. lightdist reaches each
 through this module only, and ``tests/test_internals.py`` pins the behaviour relied on, so that an upgrade fails in
@@ -16,7 +16,7 @@ Each name is here because torch has no public way to do the same yet:
   process group without processes, for the planner and ``lightdist plan``.
 - ``torch.distributed.distributed_c10d``: the default store, and a group's timeout.
 - ``Tensor._base``, ``UntypedStorage._cdata``, ``Module._orig_forward`` (set by torch's pipelining tracer), and the
-  aten attention ops' names; Hugging Face's ``_tp_plan``, the tensor-parallel plan a model declares.
+  aten attention ops' names.
 
 ``SUBCLASS_PRIVATES`` lists the private members of torch's classes that lightdist's subclasses override or call.
 """
@@ -51,7 +51,6 @@ __all__ = [
     "TreeSpec",
     "checkpoint_module",
     "compute_local_shape_and_global_offset",
-    "declared_tp_plan",
     "default_store",
     "drop_pipeline_split_markers",
     "is_view",
@@ -125,9 +124,3 @@ def style_io_hooks(style: ParallelStyle) -> tuple[Callable[..., Any], Callable[.
         partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
         partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
     )
-
-
-def declared_tp_plan(module: nn.Module) -> dict[str, str] | None:
-    """The tensor-parallel plan a Hugging Face module declares for itself (``_tp_plan``), if any."""
-    plan: Any = getattr(module, "_tp_plan", None)
-    return plan or None

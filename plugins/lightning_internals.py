@@ -40,7 +40,6 @@ __all__ = [
     "give_device_mesh",
     "last_checkpoints_found_by",
     "materialize_distributed_module",
-    "metric_defaults",
     "metric_forward_cache",
     "optimizer_steps_after_this_batch",
     "optimizers_to_device",
@@ -128,11 +127,6 @@ def apply_batch_transfer_handler(module: pl.LightningModule, batch: Any, device:
 def call_configure_model(trainer: pl.Trainer) -> None:
     """Lightning's call of the module's ``configure_model`` hook (within the strategy's context, once)."""
     call._call_configure_model(trainer)
-
-
-def metric_defaults(metric: Metric) -> dict[str, Any]:
-    """The values ``metric.reset()`` returns its states to."""
-    return metric._defaults
 
 
 def metric_forward_cache(metric: Metric) -> Any:

@@ -16,7 +16,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from lightdist.plugins.lightning_internals import metric_defaults, metric_forward_cache, set_metric_progress
+from lightdist.plugins.lightning_internals import metric_forward_cache, set_metric_progress
 
 __all__ = [
     "MetricStates",
@@ -42,7 +42,7 @@ def refuse_metrics_on_meta(module: nn.Module) -> None:
     on_meta = [
         f"{name} ({type(metric).__name__})"
         for name, metric in metrics_of(module).items()
-        if any(value.is_meta for value in metric_defaults(metric).values() if isinstance(value, Tensor))
+        if any(value.is_meta for value in metric.metric_state.values() if isinstance(value, Tensor))
     ]
     if on_meta:
         raise ValueError(

@@ -106,8 +106,10 @@ CASES = {
         # More Hugging Face families: Gemma with one key/value head (replicated), Phi-3 with fused qkv_proj (sliced
         # by its attention with config-held sizes: adapted) and gate_up_proj, GPT-NeoX with q, k, v interleaved per head
         "zoo_hf_mistral_tp2_logits": Case(strategy=dict(TP2), model="zoo_hf_mistral_logits"),
-        # Qwen3's per-head q_norm and k_norm: attention runs global, where their weights' gradients sum every head
+        # Qwen3's and Gemma 3's per-head q_norm and k_norm: attention runs global, where their weights' gradients sum
+        # every head
         "zoo_hf_qwen3_tp2_logits": Case(strategy=dict(TP2), model="zoo_hf_qwen3_logits"),
+        "zoo_hf_gemma3_tp2_logits": Case(strategy=dict(TP2), model="zoo_hf_gemma3_text_logits"),
         "zoo_hf_gemma_tp2_one_kv_head_labels": Case(strategy=dict(TP2, zero_stage=3), model="zoo_hf_gemma_labels"),
         "zoo_hf_phi3_tp2_adapted_labels_clip": Case(
             strategy=dict(TP2), model="zoo_hf_phi3_labels", gradient_clip_val=0.1

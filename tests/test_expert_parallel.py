@@ -98,6 +98,11 @@ REFUSED = {
             Case(strategy=EP2, model="llama", steps=1),
             r"expert_parallel_size=2, but Llama has no MoE layer: .* Set expert_parallel_size=1 for a dense model",
         ),
+        "experts_in_a_list": (
+            Case(strategy=EP2, model="listed_experts", steps=1),
+            r"expert_parallel_size=2, but ListedExpertsLM holds its experts as a list of modules "
+            r"\(blocks.0.ffn.experts: 4 x _GatedFeedForward\) that its own code calls one by one, .* Stack the experts",
+        ),
     },
     4: {
         "traced_pipeline": (

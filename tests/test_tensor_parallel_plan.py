@@ -50,7 +50,7 @@ def test_hugging_face_models_bring_their_own_plan() -> None:
 
 def test_a_model_plan_with_styles_lightdist_does_not_apply_is_set_aside_for_its_own_discovery() -> None:
     model = Llama("tiny")
-    model.model._tp_plan = {"layers.*.mlp.gate_proj": "packed_colwise"}  # as a fused-MLP Hugging Face model carries
+    model.model.tp_plan = {"layers.*.mlp.gate_proj": "packed_colwise"}  # as a fused-MLP Hugging Face model carries
     assert plan_of(model) == plan_of(Llama("tiny"))
     assert plan_of(model, tp_plan={"model.lm_head": "head"})["model.lm_head"] == "head"
 
