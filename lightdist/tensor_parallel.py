@@ -169,9 +169,8 @@ class ReplicateParallel(ParallelStyle):
     Norms and other unsplit modules then live on the same mesh as the split ones, so FSDP2 lays all parameters out
     on one (dp, tp) mesh, and the global gradient norm and checkpoints see a single layout. Outputs are local tensors
     where an input was one, else DTensors (the sequence-parallel residual stream, on which a norm runs on each rank's
-    share of the sequence). Under sequence parallelism (``local_outputs=False``) a module given only local integers (a
-    learned position embedding, given positions) outputs a DTensor, so that it adds to that stream; one given local
-    floats stays local, as a norm of each head's queries inside attention on local shapes must (Qwen3's ``q_norm``).
+    share of the sequence). Under sequence parallelism (``local_outputs=False``) they are always DTensors, so that a
+    learned position embedding adds to that stream.
     """
 
     def __init__(self, *, local_outputs: bool = True) -> None:
@@ -183,9 +182,7 @@ class ReplicateParallel(ParallelStyle):
 
         def to_dtensors(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             inputs = (*args, *kwargs.values())
-            module._lightdist_local_outputs = any(
-                _is_local(x) and (self.local_outputs or x.is_floating_point()) for x in inputs
-            )
+            module._lightdist_local_outputs = self.local_outputs and any(_is_local(x) for x in inputs)
 
             def replicated(x):
                 return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False) if _is_local(x) else x
