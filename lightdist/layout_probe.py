@@ -48,6 +48,7 @@ from lightdist.torch_internals import tree_leaves, tree_map
 __all__ = ["probe_layouts"]
 
 _LAYOUTS: tuple[UnitLayout, ...] = ("fast", "adapted", "global")
+TOLERANCE = 1e-4  # relative: a split unit's outputs and gradients differ from the unsplit one's by rounding only
 NUMERIC_CHECK_LIMIT = 256 * 2**20  # parameters of one unit: 1 GiB in fp32, an 8B Llama's MLP
 
 
@@ -252,8 +253,8 @@ def _difference(output: list[Tensor], expected: list[Tensor]) -> str:
     for got, want in zip(whole, expected, strict=True):
         if want.is_meta:
             continue
-        error = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-12)
-        if error > 1e-4:
+        error = _relative_error(got, want)
+        if error > TOLERANCE:
             return f"wrong outputs (relative error {error:.2g})"
     return ""
 
@@ -280,10 +281,15 @@ def _gradient_difference(gradients: dict[str, Tensor], expected: dict[str, Tenso
         got = gradients.get(name)
         if got is None:
             return f"no gradient for {name}"
-        error = (got - want).abs().max().item() / max(want.abs().max().item(), largest / 100, 1e-12)
-        if error > 1e-4:
+        error = _relative_error(got, want, floor=largest / 100)
+        if error > TOLERANCE:
             return f"a wrong gradient of {name} (relative error {error:.2g})"
     return ""
+
+
+def _relative_error(got: Tensor, want: Tensor, floor: float = 0.0) -> float:
+    """The largest difference, relative to ``want``'s largest value or to ``floor``, whichever is larger."""
+    return (got - want).abs().max().item() / max(want.abs().max().item(), floor, 1e-12)
 
 
 def _all_ranks_agree(ok: bool, tp_mesh: DeviceMesh) -> bool:
