@@ -14,17 +14,24 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightdist.structure import DecoderStack, is_projection, out_features
-from lightdist.torch_internals import tree_leaves
 
-__all__ = ["run_first_block", "trace_block_plan"]
+__all__ = ["run_first_block", "tensors_in", "trace_block_plan"]
 
 _SPLITS = {torch.split, torch.chunk, Tensor.split, Tensor.chunk, torch.tensor_split, Tensor.tensor_split}
 _FUSED_BY_PARTS = {3: "qkv", 2: "gate_up"}
+
+
+def tensors_in(value: Any) -> list[Tensor]:
+    """The tensors in ``value``, however nested: in call arguments, in a model's output (a ``ModelOutput`` too)."""
+    found: list[Tensor] = []
+    apply_to_collection(value, Tensor, found.append, allow_frozen=True)
+    return found
 
 
 class _Provenance(TorchFunctionMode):
@@ -43,12 +50,11 @@ class _Provenance(TorchFunctionMode):
         result = func(*args, **kwargs)
         if func is F.linear:  # the Linear's forward hook tags its output; F.linear inside it must not
             return result
-        inputs = [x for x in tree_leaves((args, kwargs)) if isinstance(x, Tensor)]
+        inputs = tensors_in((args, kwargs))
         tags = frozenset().union(*(self.sources.get(x, frozenset()) for x in inputs))
         if tags:
-            for x in tree_leaves(result):
-                if isinstance(x, Tensor):
-                    self.sources[x] = tags | self.sources.get(x, frozenset())
+            for x in tensors_in(result):
+                self.sources[x] = tags | self.sources.get(x, frozenset())
         if inputs and inputs[0] in self.outputs:
             self._note_feature_cut(self.outputs[inputs[0]], func, args, kwargs, inputs[0], result)
         return result

@@ -25,13 +25,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 
-from lightdist.dataflow import run_first_block
+from lightdist.dataflow import run_first_block, tensors_in
 from lightdist.structure import DecoderStack, within
 from lightdist.tensor_parallel import (
     TensorParallelStyle,
@@ -43,7 +44,6 @@ from lightdist.tensor_parallel import (
     prepare_units,
     reorder_optimizer_state,
 )
-from lightdist.torch_internals import tree_leaves, tree_map
 
 __all__ = ["probe_layouts"]
 
@@ -134,7 +134,7 @@ def _first_layout_that_matches(
     reference = _seeded_copy(unit, device)
     inputs = _seeded_inputs(inputs, device)
     args, kwargs = copy.deepcopy(inputs)
-    expected = [x for x in tree_leaves(reference(*args, **kwargs)) if isinstance(x, Tensor)]
+    expected = tensors_in(reference(*args, **kwargs))
     expected_gradients: dict[str, Tensor] = {}
     if numeric:
         try:
@@ -159,7 +159,7 @@ def _first_layout_that_matches(
         try:
             with _quietly():
                 with comm:
-                    output = [x for x in tree_leaves(split(*args, **kwargs)) if isinstance(x, Tensor)]
+                    output = tensors_in(split(*args, **kwargs))
                 failure = _difference(output, expected)
                 if not failure:  # and backward runs too
                     _backward(output)
@@ -243,7 +243,7 @@ def _seeded_inputs(inputs: tuple[tuple, dict], device: torch.device) -> tuple[tu
             return torch.randn(x.shape, generator=generator).to(device)
         return torch.ones(x.shape, dtype=x.dtype, device=device) if x.is_meta else x.to(device)
 
-    return tree_map(made_up, inputs)
+    return apply_to_collection(inputs, Tensor, made_up, allow_frozen=True)
 
 
 def _difference(output: list[Tensor], expected: list[Tensor]) -> str:

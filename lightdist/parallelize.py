@@ -8,6 +8,7 @@ with the LightningModule, and a plain training loop can call it with any ``nn.Mo
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -37,7 +38,7 @@ from lightdist.sharding import ZeroStage, apply_data_parallel
 from lightdist.structure import DecoderStack, find_decoder_stack, find_repeated_blocks
 from lightdist.tensor_parallel import TensorParallelStyle, apply_tensor_parallel, discover_plan
 
-__all__ = ["ModelHolder", "ParallelConfig", "Parallelized", "parallelize"]
+__all__ = ["ModelHolder", "ParallelConfig", "Parallelized", "materialize", "parallelize"]
 
 _MIXED_PRECISION_COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
@@ -287,6 +288,31 @@ def parallelize(
         # Each stage is its own FSDP root, as the schedules expect: they gather, reshard and reduce per stage.
         _shard(stage, stage.blocks, mesh, config, config.zero_stage_run(pp), split_experts.within(stage))
     return result
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate on ``device`` the parameters and buffers a model built on the meta device holds once it is split, and
+    initialize each module's by its ``reset_parameters``: a model too big for one device is built on meta
+    (``trainer.init_module(empty_init=True)``, ``configure_model``) and only ever allocates its own shards.
+
+    A module with weights and no ``reset_parameters`` keeps uninitialized memory; it is named in a warning."""
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return
+    model.to_empty(device=device)
+    uninitialized = set()
+    for module in model.modules():
+        if next(module.parameters(recurse=False), None) is None and next(module.buffers(recurse=False), None) is None:
+            continue
+        if callable(reset := getattr(module, "reset_parameters", None)):
+            reset()
+        else:
+            uninitialized.add(type(module).__name__)
+    if uninitialized:
+        warnings.warn(
+            f"lightdist: {', '.join(sorted(uninitialized))} built on the meta device have no reset_parameters(), so "
+            "their weights are uninitialized memory. Give them a reset_parameters(), or build the model on a device.",
+            stacklevel=2,
+        )
 
 
 def _keep_user_split(

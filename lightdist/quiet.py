@@ -55,11 +55,8 @@ def silence_known_noise() -> None:
         logging.getLogger("torch.distributed.tensor._redistribute").addFilter(
             _Drop(message=r"While redistributing from \(_NormPartial")
         )
-        # Lines every rank prints alike, which rank 0 prints too: its seed, and its place in the process group.
+        # A line every rank prints alike, which rank 0 prints too: its seed.
         logging.getLogger("lightning.fabric.utilities.seed").addFilter(_Drop(message=r"\[rank: [1-9]\d*\] Seed set"))
-        logging.getLogger("lightning.fabric.utilities.distributed").addFilter(
-            _Drop(message=r"Initializing distributed: GLOBAL_RANK: [1-9]")
-        )
         # Lightning's advertisement for its paid logger, on every run.
         logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_Drop(message="💡 Tip:"))
     if not verbose():

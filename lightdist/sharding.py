@@ -29,7 +29,14 @@ from torch.optim import Optimizer
 
 from lightdist.torch_internals import replicate
 
-__all__ = ["ShardedOptimizer", "ZeroStage", "apply_data_parallel", "local_tensor", "step_mixed_meshes_per_tensor"]
+__all__ = [
+    "ShardedOptimizer",
+    "ZeroStage",
+    "apply_data_parallel",
+    "local_tensor",
+    "optimizer_states_to",
+    "step_mixed_meshes_per_tensor",
+]
 
 ZeroStage = Literal[0, 1, 2, 3]
 
@@ -142,6 +149,16 @@ def step_mixed_meshes_per_tensor(optimizers: Iterable[Optimizer]) -> None:
                 group["foreach"] = False
                 if group.get("fused"):
                     group["fused"] = False
+
+
+def optimizer_states_to(optimizers: Iterable[Optimizer], device: torch.device) -> None:
+    """Move the optimizers' states (a restored checkpoint's, loaded on the CPU) to ``device``. Each ``step`` count
+    stays where it is: torch's optimizers keep it on the CPU unless they are fused or capturable."""
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if key != "step" and isinstance(value, Tensor):
+                    state[key] = value.to(device)
 
 
 def _deal_out(params: list[Tensor], ranks: int) -> dict[Tensor, int]:

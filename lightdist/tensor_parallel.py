@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
@@ -45,7 +46,7 @@ from lightdist.dataflow import trace_block_plan
 from lightdist.expert_parallel import moe_blocks
 from lightdist.pipeline.tied import tied_names
 from lightdist.structure import DecoderStack, in_features, is_conv1d, is_projection, out_features, within
-from lightdist.torch_internals import compute_local_shape_and_global_offset, style_io_hooks, tree_map
+from lightdist.torch_internals import style_io_hooks
 
 __all__ = [
     "BLOCK_RULES",
@@ -310,17 +311,10 @@ def reorder_rows(tensor: Tensor, order: Tensor, dim: int = 0) -> Tensor:
     """
     if not isinstance(tensor, DTensor):
         return tensor.index_select(dim, order.to(tensor.device))
-    whole = tensor.full_tensor().index_select(dim, order.to(tensor.device))
-    local_shape, offset = compute_local_shape_and_global_offset(whole.shape, tensor.device_mesh, tensor.placements)
-    local = whole[tuple(slice(start, start + size) for start, size in zip(offset, local_shape, strict=True))]
-    return DTensor.from_local(
-        local.clone(),
-        tensor.device_mesh,
-        tensor.placements,
-        shape=tensor.shape,
-        stride=tensor.stride(),
-        run_check=False,
-    )
+    whole = tensor.detach().full_tensor().index_select(dim, order.to(tensor.device))
+    # Every rank holds the whole tensor, so each keeps its share without sending anything (no source rank); a copy
+    # of it, so the whole tensor is freed.
+    return distribute_tensor(whole, tensor.device_mesh, tensor.placements, src_data_rank=None).clone()
 
 
 def reorder_optimizer_state(model: nn.Module, optimizer_state: dict, *, to_model_layout: bool) -> dict:
@@ -454,7 +448,7 @@ def _run_on_global_shapes(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     @functools.wraps(forward)
     def global_forward(*args, **kwargs):
         kwargs.update((name, None) for name in _CACHE_ARGUMENTS if callable(getattr(kwargs.get(name), "update", None)))
-        args, kwargs = tree_map(replicated, (args, kwargs))
+        args, kwargs = apply_to_collection((args, kwargs), Tensor, replicated, allow_frozen=True)
         with implicit_replication(), sdpa_kernel(SDPBackend.MATH) if on_cpu else contextlib.nullcontext():
             return forward(*args, **kwargs)
 

@@ -6,11 +6,8 @@ that test, naming the name, rather than in a user's run. Tested with torch 2.11 
 
 Each name is here because torch has no public way to do the same yet:
 
-- ``torch.utils._pytree``: flattening nested call arguments and outputs (torch's own pipelining and DTensor use it).
 - ``torch.distributed.checkpoint._fsspec_filesystem``: DCP's reader and writer for fsspec URLs (s3://, gs://).
-- ``torch.distributed._composable``: per-module activation checkpointing and ``replicate`` on FSDP2's machinery
-  (ZeRO-0), which torchtitan uses too.
-- ``torch.distributed.tensor._utils``: which slice of a DTensor this rank holds, for any placements.
+- ``torch.distributed._composable``: ``replicate`` on FSDP2's machinery (ZeRO-0), which torchtitan uses too.
 - ``torch.distributed.pipelining._IR``: moving a traced stage's factory calls to this rank's device.
 - ``torch._subclasses.fake_tensor``, ``torch.testing._internal.distributed.fake_pg``: shapes without memory, and a
   process group without processes, for the planner and ``lightdist plan``.
@@ -32,14 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._composable import checkpoint as checkpoint_module
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 __all__ = [
     "ATTENTION_OPS",
@@ -48,9 +42,6 @@ __all__ = [
     "FakeTensorMode",
     "FsspecReader",
     "FsspecWriter",
-    "TreeSpec",
-    "checkpoint_module",
-    "compute_local_shape_and_global_offset",
     "default_store",
     "drop_pipeline_split_markers",
     "is_view",
@@ -59,10 +50,6 @@ __all__ = [
     "set_group_timeout",
     "storage_key",
     "style_io_hooks",
-    "tree_flatten",
-    "tree_leaves",
-    "tree_map",
-    "tree_unflatten",
 ]
 
 # Private members of torch's classes that lightdist's subclasses override or call, and why.

@@ -19,7 +19,6 @@ from lightdist.layout import ParallelLayout
 from lightdist.parallelize import ParallelConfig
 from lightdist.pipeline.schedules import check_microbatch_rounds
 from lightdist.planner import Cluster, Estimate, GiB, ModelShape, choose_layout
-from lightdist.plugins.lightning_internals import call_configure_model
 from lightdist.throughput import device_peak_flops
 
 if TYPE_CHECKING:
@@ -112,8 +111,14 @@ def planned_layout(
     if not any(True for _ in module.parameters()):
         # Lightning asks the hook to be idempotent: its own call finds the layers built, on the meta device, and the
         # strategy materializes them once split, as after `trainer.init_module(empty_init=True)`.
-        with torch.device("meta"):
-            call_configure_model(module.trainer)
+        trainer = module.trainer
+        with (
+            torch.device("meta"),
+            trainer.strategy.tensor_init_context(),
+            trainer.strategy.model_sharded_context(),
+            trainer.precision_plugin.module_init_context(),
+        ):
+            module.configure_model()
     seq_len, batch_size = (_batch_dimension(module, name) for name in ("seq_len", "batch_size"))
     peak = device_peak_flops(device)
     cluster = Cluster(

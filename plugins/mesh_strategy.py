@@ -10,6 +10,7 @@ ranks, who alone see different batches.
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
@@ -29,7 +31,7 @@ from lightdist.heartbeat import Heartbeat, name_the_silent_rank
 from lightdist.layout import ParallelLayout, ParallelMesh
 from lightdist.parallelize import ParallelConfig
 from lightdist.plugins.auto_layout import LayoutRequest
-from lightdist.plugins.lightning_internals import connect_process_group, give_device_mesh
+from lightdist.plugins.lightning_internals import give_device_mesh
 from lightdist.plugins.resume import ResumesLast, resuming_launcher
 from lightdist.restarts import nodes_started_by_torchrun, round_store
 from lightdist.torch_internals import default_store, set_group_timeout
@@ -50,6 +52,7 @@ class MeshStrategy(ModelParallelStrategy):
     ) -> None:
         self._collective_timeout = timedelta(seconds=collective_timeout)
         super().__init__(process_group_backend=process_group_backend, timeout=self._collective_timeout)
+        self._backend = process_group_backend
         self._sizes, self._config = sizes, config
         self._layout: ParallelLayout | None = None
         self._mesh: ParallelMesh | None = None
@@ -121,6 +124,24 @@ class MeshStrategy(ModelParallelStrategy):
             )
         self._resuming_launcher = resuming_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
 
+    def _start_process_group(self) -> None:
+        """The world's process group, its ranks met in this start's round of the store, its collectives waiting
+        ``collective_timeout``; NCCL's groups destroyed at exit, as torch asks."""
+        environment = self.cluster_environment
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = environment.main_address, str(environment.main_port)
+        dist.init_process_group(
+            self.process_group_backend,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            store=round_store(self.global_rank, self._collective_timeout),
+            timeout=self._collective_timeout,
+            device_id=self.root_device if self.root_device.type != "cpu" else None,
+        )
+        backend = self.process_group_backend
+        if backend == "nccl":
+            atexit.register(_destroy_process_group)
+        rank_zero_info(f"lightdist: {self.world_size} processes joined the process group ({backend})")
+
     def _resolve_layout(self) -> ParallelLayout:
         """The given sizes on the ranks the job will have, which the launcher that started them sets (torchrun,
         SLURM, Ray), or ``num_nodes x devices``, as Lightning's launcher starts them."""
@@ -131,18 +152,21 @@ class MeshStrategy(ModelParallelStrategy):
             world = self.num_nodes * self.num_processes, "devices x num_nodes"
         return self._sizes.resolve(*world, devices_per_node=self.num_processes)
 
+    @property
     @override
-    def _setup_distributed(self) -> None:
-        if not dist.is_initialized():
-            self.set_world_ranks()
-            store = round_store(self.global_rank, self._collective_timeout)
-            connect_process_group(self, store, self._collective_timeout)
-        super()._setup_distributed()  # Lightning's finds the process group made and goes on
+    def process_group_backend(self) -> str:
+        if self._backend is None:
+            self._backend = "nccl" if self.root_device.type == "cuda" else "gloo"
+        return self._backend
 
     @override
     def setup_environment(self) -> None:
         _share_cpu_threads(self.num_processes)
-        self._setup_distributed()
+        self.accelerator.setup_device(self.root_device)
+        reset_seed()
+        self.set_world_ranks()
+        if not dist.is_initialized():
+            self._start_process_group()
         if self._sizes.planned:
             # Every rank plans, so that each raises a bad input itself; rank 0's layout is taken, so that ranks on
             # machines that differ cannot disagree.
@@ -200,6 +224,11 @@ class MeshStrategy(ModelParallelStrategy):
             self._heartbeat.stop()
             self._heartbeat = None
         super().teardown()
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _share_cpu_threads(local_ranks: int) -> None:

@@ -32,6 +32,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -45,14 +46,18 @@ from lightdist.parallelize import ParallelConfig, Parallelized
 from lightdist.pipeline.schedules import SCHEDULES
 from lightdist.pipeline.structural import ModelCall
 from lightdist.pipeline.tied import TiedGradients, tied_gradients
-from lightdist.plugins.lightning_internals import (
-    apply_batch_transfer_handler,
-    data_source,
-    optimizer_steps_after_this_batch,
-)
+from lightdist.plugins.lightning_internals import data_source
 from lightdist.plugins.metric_sync import load_metric_states, metric_states, metrics_of
 
-__all__ = ["PipelineStep", "StageClock", "example_model_call", "model_call_of", "pipeline_step_over"]
+__all__ = [
+    "PipelineStep",
+    "StageClock",
+    "batch_on_device",
+    "example_model_call",
+    "model_call_of",
+    "optimizer_steps_after",
+    "pipeline_step_over",
+]
 
 
 class StageClock:
@@ -252,7 +257,7 @@ class PipelineStep:
             for optimizer in optimizers:
                 optimizer.zero_grad()
         loss = self(step_name, batch, batch_idx, train=True, loss_scale=1 / accumulate)
-        if self.tied is not None and optimizer_steps_after_this_batch(trainer):
+        if self.tied is not None and optimizer_steps_after(trainer, batch_idx):
             self.tied.sum()  # both ends apply the tied weight's whole gradient
         return loss
 
@@ -409,6 +414,23 @@ _OVER_MICROBATCHES = {
 }
 
 
+def optimizer_steps_after(trainer: Any, batch_idx: int) -> bool:
+    """Whether the optimizer steps after this batch: the last of an accumulation, or of the epoch, where Lightning
+    steps whatever the count."""
+    last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch or batch_idx + 1 == trainer.num_training_batches
+    return (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or last
+
+
+def batch_on_device(module: LightningModule, batch: Any, device: torch.device) -> Any:
+    """``batch`` moved to ``device`` as Lightning moves every batch: by the datamodule's transfer hooks where it
+    overrides them, else the module's."""
+    datamodule = module.trainer.datamodule
+    for hook, args in (("transfer_batch_to_device", (device, 0)), ("on_after_batch_transfer", (0,))):
+        owner = datamodule if datamodule is not None and is_overridden(hook, datamodule) else module
+        batch = getattr(owner, hook)(batch, *args)
+    return batch
+
+
 def _over_microbatches(values: list[Tensor], reduce_fx: Any) -> Tensor:
     return _OVER_MICROBATCHES.get(reduce_fx, torch.mean)(torch.stack(values))
 
@@ -465,7 +487,7 @@ def example_model_call(module: LightningModule, microbatches: int) -> tuple[tupl
         TrainerFn.PREDICTING: (trainer.predict_loop, "predict_step"),
     }[trainer.state.fn]
     batch, _, _ = next(iter(CombinedLoader(data_source(loop).dataloader(), "sequential")))
-    batch = apply_batch_transfer_handler(module, batch, next(module.parameters()).device)
+    batch = batch_on_device(module, batch, next(module.parameters()).device)
     step = getattr(type(module), step_name)
     call = model_call_of(module, lambda whole: step(module, whole, 0), batch, metrics_of(module), [""])
     return apply_to_collection((call.args, call.kwargs), Tensor, lambda t: t[: max(len(t) // microbatches, 1)])

@@ -26,17 +26,13 @@ from typing_extensions import override
 from lightdist.activation_checkpointing import ActivationCheckpointing
 from lightdist.async_checkpoint import AsyncMode, buffers_copied
 from lightdist.loss_parallel import vocab_parallel_cross_entropy
-from lightdist.parallelize import ModelHolder, ParallelConfig, Parallelized, parallelize
+from lightdist.parallelize import ModelHolder, ParallelConfig, Parallelized, materialize, parallelize
 from lightdist.pipeline.schedules import PipelineSchedule
 from lightdist.pipeline.structural import clip_grads, grad_norm_across_stages
 from lightdist.pipeline.traced import share_model_buffers
 from lightdist.plugins.auto_layout import LayoutRequest
 from lightdist.plugins.checkpoint_io import ShardedCheckpointIO
-from lightdist.plugins.lightning_internals import (
-    materialize_distributed_module,
-    optimizers_to_device,
-    skip_lightning_backward,
-)
+from lightdist.plugins.lightning_internals import skip_lightning_backward
 from lightdist.plugins.mesh_strategy import MeshStrategy
 from lightdist.plugins.metric_sync import metrics_set_aside, reduce_metrics_over, refuse_metrics_on_meta
 from lightdist.plugins.non_finite import NonFiniteGuard, NonFinitePolicy, NonFiniteStep
@@ -46,7 +42,7 @@ from lightdist.plugins.rank_state import deal_samples_in_turn, gather_rank_state
 from lightdist.plugins.run_header import announce_run
 from lightdist.plugins.strategy_names import STRATEGY_NAMES
 from lightdist.rng import set_rng_state
-from lightdist.sharding import ShardedOptimizer, ZeroStage, step_mixed_meshes_per_tensor
+from lightdist.sharding import ShardedOptimizer, ZeroStage, optimizer_states_to, step_mixed_meshes_per_tensor
 from lightdist.storage import configure, resolve
 from lightdist.tensor_parallel import TensorParallelStyle, reorder_optimizer_state
 
@@ -158,7 +154,7 @@ class ParallelStrategy(MeshStrategy):
         self.model = self._parallelize(self.lightning_module)
         reduce_metrics_over(self.lightning_module, self.device_mesh["dp"].get_group())
         with metrics_set_aside(self.lightning_module):
-            materialize_distributed_module(self.model, self.root_device)
+            materialize(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         if not self._config.cpu_offload:
             self.model_to_device()
@@ -172,7 +168,7 @@ class ParallelStrategy(MeshStrategy):
         # Lightning's clipping sees this stage's gradients only, and one DTensor mesh; the norm must cover them all.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_norm_across_stages
         if trainer.state.fn == TrainerFn.FITTING and not self._config.cpu_offload:
-            optimizers_to_device(self.optimizers, self.root_device)
+            optimizer_states_to(self.optimizers, self.root_device)
 
     @property
     def run_config(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -19,17 +20,17 @@ from torch.distributed.device_mesh import init_device_mesh
 from torchmetrics import MeanMetric
 
 from lightdist import torch_internals
+from lightdist.parallelize import materialize
 from lightdist.plugins import lightning_internals
 from lightdist.plugins.lightning_internals import (
-    apply_batch_transfer_handler,
-    call_configure_model,
     data_source,
     give_device_mesh,
     metric_forward_cache,
-    optimizer_steps_after_this_batch,
     set_metric_progress,
     skip_lightning_backward,
 )
+from lightdist.plugins.pipeline_step import batch_on_device, optimizer_steps_after
+from lightdist.sharding import optimizer_states_to
 from lightdist.torch_internals import default_store, is_view, set_group_timeout, storage_key
 
 REPO = Path(__file__).parents[1]
@@ -166,8 +167,6 @@ def test_declared_private_members_still_exist_where_lightdist_uses_them() -> Non
 
     owners = {
         "_configure_launcher": ModelParallelStrategy,
-        "_setup_distributed": ModelParallelStrategy,
-        "_get_process_group_backend": ModelParallelStrategy,
         "_run_subcommand": LightningCLI,
         "_get_train_description": RichProgressBar,
         "_apply": ParallelStyle,
@@ -183,17 +182,14 @@ def test_declared_private_members_still_exist_where_lightdist_uses_them() -> Non
 
 
 class _Recorder(pl.LightningModule):
-    """Records, from inside its own steps, what the Lightning internals lightdist reads say."""
+    """Records, from inside its own steps, what the Lightning internals lightdist reads say, and what lightdist's own
+    readings of the loop's public state say beside them."""
 
     def __init__(self) -> None:
         super().__init__()
         self.layer = nn.Linear(2, 1)
         self.steps_after: list[bool] = []
         self.transferred = 0
-        self.configured = 0
-
-    def configure_model(self) -> None:
-        self.configured += 1
 
     def transfer_batch_to_device(self, batch, device, dataloader_idx):
         self.transferred += 1
@@ -201,12 +197,12 @@ class _Recorder(pl.LightningModule):
 
     def on_train_start(self) -> None:
         self.loader = data_source(self.trainer.fit_loop).dataloader()
-        self.moved = apply_batch_transfer_handler(self, torch.ones(2), torch.device("cpu"))
+        self.moved = batch_on_device(self, torch.ones(2), torch.device("cpu"))
         skip_lightning_backward(self.trainer, True)
         self.initial = self.layer.weight.detach().clone()
 
     def training_step(self, batch, batch_idx):
-        self.steps_after.append(optimizer_steps_after_this_batch(self.trainer))
+        self.steps_after.append(optimizer_steps_after(self.trainer, batch_idx))
         return self.layer(batch).sum()
 
     def configure_optimizers(self):
@@ -230,9 +226,6 @@ def test_lightning_internals_behave_as_lightdist_relies_on() -> None:
     assert module.loader is loader
     assert module.transferred == 4 and torch.equal(module.moved, torch.ones(2))  # three batches, and ours
     assert torch.equal(module.layer.weight, module.initial)  # no backward ran: the optimizer had no gradients
-    calls = module.configured
-    call_configure_model(trainer)
-    assert module.configured == calls + 1
 
 
 def test_torchmetrics_internals_behave_as_lightdist_relies_on() -> None:
@@ -260,3 +253,29 @@ def test_torch_internals_behave_as_lightdist_relies_on(tmp_path: Path) -> None:
         assert module.device_mesh is mesh
     finally:
         dist.destroy_process_group()
+
+
+class _Unresettable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+
+
+def test_a_model_built_on_meta_is_allocated_and_initialized_by_its_modules_reset_parameters() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3), _Unresettable())
+    with pytest.warns(UserWarning, match=r"_Unresettable built on the meta device have no reset_parameters\(\)"):
+        materialize(model, torch.device("cpu"))
+    linear = model[0]
+    assert linear.weight.device.type == "cpu" and 0 < linear.weight.abs().max() <= 3**-0.5  # nn.Linear's own init
+    materialize(model, torch.device("meta"))  # nothing on meta any more: left as it is
+    assert linear.weight.device.type == "cpu"
+
+
+def test_restored_optimizer_states_move_to_the_device_and_their_step_counts_stay() -> None:
+    weight = nn.Parameter(torch.ones(2, device="meta"))
+    optimizer = torch.optim.AdamW([weight])
+    optimizer.state[weight] = {"step": torch.tensor(3.0), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}
+    optimizer_states_to([optimizer], torch.device("meta"))
+    state = optimizer.state[weight]
+    assert state["exp_avg"].is_meta and state["exp_avg_sq"].is_meta and state["step"].device.type == "cpu"

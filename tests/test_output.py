@@ -55,11 +55,9 @@ def test_deprecations_that_are_not_the_users_are_dropped_and_the_users_own_warni
 
 
 def test_lines_every_rank_prints_alike_are_printed_by_rank_0_only() -> None:
-    seed, distributed = "lightning.fabric.utilities.seed", "lightning.fabric.utilities.distributed"
+    seed = "lightning.fabric.utilities.seed"
     assert shown(seed, logging.INFO, "Seed set to 1234")  # rank 0's, before the ranks know their rank
     assert not shown(seed, logging.INFO, "[rank: 3] Seed set to 1234")
-    assert shown(distributed, logging.INFO, "Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/8")
-    assert not shown(distributed, logging.INFO, "Initializing distributed: GLOBAL_RANK: 7, MEMBER: 8/8")
 
 
 def test_debug_shows_everything(monkeypatch: pytest.MonkeyPatch) -> None:

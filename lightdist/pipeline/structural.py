@@ -22,12 +22,13 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightdist.structure import DecoderStack
-from lightdist.torch_internals import TreeSpec, is_view, tree_flatten, tree_unflatten
+from lightdist.torch_internals import is_view
 
 __all__ = [
     "ModelCall",
@@ -138,7 +139,11 @@ class ModelCall(NamedTuple):
     kwargs: dict
 
 
-_TENSOR = object()  # where a tensor stood in the last stage's output
+class _HandedOn:
+    """Where a tensor stood in the last stage's output."""
+
+
+_TENSOR = _HandedOn()
 
 
 def _not_a_view(tensor: Tensor) -> Tensor:
@@ -226,7 +231,7 @@ class StageModel(nn.Module):
         }
         self._incoming: Tensor | None = None
         self._outgoing: Tensor | None = None
-        self._output_structure: tuple[TreeSpec, list[Any]] | None = None
+        self._output_structure: Any = None
         blocks[0].register_forward_pre_hook(self._take_incoming, with_kwargs=True)
         blocks[-1].register_forward_hook(self._keep_outgoing)
         self._stop_hook_due = not last
@@ -255,16 +260,20 @@ class StageModel(nn.Module):
             return _not_a_view(output)
         # torch's stages hand on tensors only: the last one's output (a tuple, a dict, a Hugging Face ModelOutput with
         # a cache in it) leaves as its tensors, and the step gets it back whole from ``whole_output``.
-        leaves, spec = tree_flatten(output)
-        self._output_structure = (spec, [_TENSOR if isinstance(leaf, Tensor) else leaf for leaf in leaves])
-        return tuple(_not_a_view(leaf) for leaf in leaves if isinstance(leaf, Tensor))
+        handed_on = []
+
+        def hand_on(tensor: Tensor) -> _HandedOn:
+            handed_on.append(_not_a_view(tensor))
+            return _TENSOR
+
+        self._output_structure = apply_to_collection(output, Tensor, hand_on, allow_frozen=True)
+        return tuple(handed_on)
 
     def whole_output(self, tensors: Tensor | tuple[Tensor, ...]) -> Any:
         """The called module's output, as the last stage's last forward returned it, with ``tensors`` (those it
         handed on, or merged over microbatches; torch's schedules unpack a single one) in place of its own."""
-        spec, leaves = self._output_structure
         given = iter((tensors,) if isinstance(tensors, Tensor) else tensors)
-        return tree_unflatten([next(given) if leaf is _TENSOR else leaf for leaf in leaves], spec)
+        return apply_to_collection(self._output_structure, _HandedOn, lambda _: next(given), allow_frozen=True)
 
     @contextmanager
     def _standing_in(self) -> Iterator[None]:
