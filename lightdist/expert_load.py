@@ -1,9 +1,11 @@
 """How evenly a Mixture-of-Experts model's router spreads tokens over its experts, counted where they are routed.
 
 A forward pre-hook on each experts module (``lightdist.expert_parallel.find_experts``) reads the expert each token is
-sent to. Counts are summed over the ranks whose tokens differ (not over tensor-parallel peers, which route the same
-tokens) and over the pipeline stages that hold the layers. Recomputed forwards (activation checkpointing) count their
-tokens again, as they route them again: shares and the imbalance are exact, the counts are then multiples.
+sent to; on experts held as a list, one on each expert counts the tokens it is given (under expert parallelism, on
+the rank holding it, which gets every rank's tokens for it). Counts are summed over the ranks whose tokens differ
+(not over tensor-parallel peers, which route the same tokens) and over the pipeline stages that hold the layers.
+Recomputed forwards (activation checkpointing) count their tokens again, as they route them again: shares and the
+imbalance are exact, the counts are then multiples.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ class ExpertLoad:
         self._handles: list[RemovableHandle] = []
         for name in experts.names if experts is not None else []:
             module = model.get_submodule(name)
+            if experts.listed:  # each expert a module: count the tokens each one this rank holds is given
+                for index, expert in module.named_children():
+                    hook = partial(self._count_tokens, name, int(index))
+                    self._handles.append(expert.register_forward_pre_hook(hook))
+                continue
             # The expert indices: the forward's second argument, positional or by its name.
             index_name = list(inspect.signature(module.forward).parameters)[1]
             hook = partial(self._count, name, index_name)
@@ -48,6 +55,12 @@ class ExpertLoad:
         if module.training:
             expert_index = args[1] if len(args) > 1 else kwargs[index_name]
             counts = torch.bincount(local_tensor(expert_index).detach().flatten(), minlength=self.num_experts)
+            self._counts[name] = self._counts[name] + counts if name in self._counts else counts
+
+    def _count_tokens(self, name: str, index: int, expert: nn.Module, args: tuple[Any, ...]) -> None:
+        if expert.training:
+            counts = torch.zeros(self.num_experts, dtype=torch.long)
+            counts[index] = local_tensor(args[0]).shape[:-1].numel()
             self._counts[name] = self._counts[name] + counts if name in self._counts else counts
 
     def drop(self) -> None:

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 __all__ = [
     "ExpertModules",
+    "all_to_all_rows",
     "apply_expert_parallel",
     "check_expert_layout",
     "check_expert_parallel",
@@ -48,6 +49,7 @@ class ExpertModules:
     num_experts: int
     declared_by: str  # "the model's base_model_ep_plan", or "discovered"
     top_k: int | None = None  # experts per token, where the MoE block or its config says
+    listed: bool = False  # each expert a module of an nn.ModuleList (lightdist.listed_experts), not stacked
 
     def parameters(self, model: nn.Module) -> list[nn.Parameter]:
         """Every expert's weights: the parameters of the experts modules."""
@@ -62,19 +64,26 @@ class ExpertModules:
 
 def find_experts(model: nn.Module) -> ExpertModules | None:
     """The model's experts modules: those its Hugging Face config declares (``base_model_ep_plan``), else every module
-    that stacks its experts' weights and takes routed tokens; ``None`` for a dense model."""
+    that stacks its experts' weights and takes routed tokens, else every list of like modules beside a router (one
+    output per expert); ``None`` for a dense model."""
     declared = _declared_experts(model)
     names = declared if declared is not None else [name for name, m in model.named_modules() if _is_experts(m)]
+    listed = not names
+    if listed:
+        names = _listed_experts(model)
     if not names:
         return None
-    counts = {_stacked_experts(model.get_submodule(name)) for name in names}
+    counts = {
+        len(model.get_submodule(name)) if listed else _stacked_experts(model.get_submodule(name)) for name in names
+    }
     if len(counts) > 1:
         raise ValueError(
             f"The MoE layers of {type(model).__name__} stack different numbers of experts ({sorted(counts)}): "
             "expert parallelism splits every layer's experts alike, so it needs one number of experts."
         )
     declared_by = "the model's base_model_ep_plan" if declared else "discovered"
-    return ExpertModules(names, counts.pop(), declared_by, _top_k(model.get_submodule(names[0].rpartition(".")[0])))
+    top_k = _top_k(model.get_submodule(names[0].rpartition(".")[0]))
+    return ExpertModules(names, counts.pop(), declared_by, top_k, listed)
 
 
 def moe_blocks(model: nn.Module) -> list[str]:
@@ -106,19 +115,11 @@ def check_expert_parallel(model: nn.Module, experts: ExpertModules | None, ep: i
     """Refuse an ``ep`` that the model or the ``("pp", "dp", "tp")`` mesh cannot take, before anything is split."""
     check_expert_layout(ep, mesh["dp"].size())
     name = type(model).__name__
-    listed = _listed_experts(model) if experts is None else None
-    if listed is not None:
-        raise ValueError(
-            f"expert_parallel_size={ep}, but {name} holds its experts as a list of modules ({listed}) that its own "
-            "code calls one by one, which cannot send tokens to another rank. Expert parallelism splits experts "
-            "stacked in one module's weights whose forward takes (tokens, expert_index, weights), as Hugging Face "
-            "transformers 5 holds them. Stack the experts so, or set expert_parallel_size=1."
-        )
     if experts is None:
         raise ValueError(
             f"expert_parallel_size={ep}, but {name} has no MoE layer: no module stacks experts' weights on dim 0 and "
-            "takes (tokens, expert_index, weights), and its config declares no base_model_ep_plan. Set "
-            "expert_parallel_size=1 for a dense model."
+            "takes (tokens, expert_index, weights), no list of like modules sits beside a router with one output "
+            "per expert, and its config declares no base_model_ep_plan. Set expert_parallel_size=1 for a dense model."
         )
     if experts.num_experts % ep:
         raise ValueError(
@@ -172,7 +173,7 @@ class ExpertParallel:
         local_expert = (expert_index.flatten() % self.experts_per_rank)[order]
         arrived_expert = local_expert.new_empty(sum(received))
         dist.all_to_all_single(arrived_expert, local_expert, received, sent, group=self.ep_group)
-        arrived = _all_to_all(tokens[order // top_k], received, sent, self.ep_group)
+        arrived = all_to_all_rows(tokens[order // top_k], received, sent, self.ep_group)
 
         with self._local_experts():
             computed = super().forward(arrived, arrived_expert[:, None], arrived.new_ones(len(arrived), 1))
@@ -183,7 +184,7 @@ class ExpertParallel:
                 # (zero) gradient, as every dp peer's do.
                 unused = arrived.sum() + sum(p.sum() for p in self._local_parameters().values())
                 computed = computed + unused * 0
-        returned = _all_to_all(computed, sent, received, self.ep_group)
+        returned = all_to_all_rows(computed, sent, received, self.ep_group)
         per_pair = returned[torch.argsort(order)].view(pairs // top_k, top_k, -1)
         return (per_pair * weights[..., None]).sum(dim=1).to(tokens.dtype)
 
@@ -212,7 +213,7 @@ class ExpertParallel:
                 object.__setattr__(self, name, value)
 
 
-def _all_to_all(tensor: Tensor, out_counts: list[int], in_counts: list[int], group: dist.ProcessGroup) -> Tensor:
+def all_to_all_rows(tensor: Tensor, out_counts: list[int], in_counts: list[int], group: dist.ProcessGroup) -> Tensor:
     """Rows of ``tensor`` sent ``in_counts[r]`` to rank ``r``, ``out_counts[r]`` received from each; gradients go back
     the same way."""
     return _AllToAll.apply(tensor, out_counts, in_counts, group)
@@ -260,23 +261,26 @@ def _declared_experts(model: nn.Module) -> list[str] | None:
     return None
 
 
-def _listed_experts(model: nn.Module) -> str | None:
-    """Where ``model`` holds experts as a list of like modules beside their router (a Linear with one output per
-    expert), as transformers 4 held Mixtral's: "name: count x class"."""
+def _listed_experts(model: nn.Module) -> list[str]:
+    """The lists of like modules beside a router (a Linear with one output per expert) in ``model``, as transformers
+    4's Mixtral and LitGPT's MoE hold their experts; split ones (``ExpertList``) count all their experts."""
+    found = []
     for prefix, module in model.named_modules():
         for name, child in module.named_children():
-            if not isinstance(child, nn.ModuleList) or len(child) < 2 or len({type(m) for m in child}) > 1:
+            held = list(child.children())
+            if not isinstance(child, nn.ModuleList) or len(child) < 2 or len({type(m) for m in held}) != 1:
                 continue
             if any(isinstance(m, nn.Linear) and m.out_features == len(child) for m in module.children()):
-                return f"{prefix}.{name}: {len(child)} x {type(child[0]).__name__}".lstrip(".")
-    return None
+                found.append(f"{prefix}.{name}".lstrip("."))
+    return found
 
 
 def _top_k(moe_block: nn.Module) -> int | None:
-    """Experts per token, as the MoE block, its router or their config calls it (``top_k``, ``num_experts_per_tok``)."""
+    """Experts per token, as the MoE block, its router or their config calls it (``top_k``, ``num_experts_per_tok``,
+    LitGPT's ``n_expert_per_token``)."""
     for module in moe_block.modules():
         for owner in (module, getattr(module, "config", None)):
-            for name in ("top_k", "num_experts_per_tok"):
+            for name in ("top_k", "num_experts_per_tok", "n_expert_per_token"):
                 if isinstance(value := getattr(owner, name, None), int):
                     return value
     return None

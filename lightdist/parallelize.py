@@ -30,6 +30,7 @@ from lightdist.expert_parallel import (
 )
 from lightdist.layout import ParallelLayout
 from lightdist.layout_probe import probe_layouts
+from lightdist.listed_experts import apply_listed_expert_parallel
 from lightdist.pipeline.schedules import PipelineSchedule, check_schedule, stages_of_rank, virtual_stages_of
 from lightdist.pipeline.structural import StageModel, keep_stages, stage_sizes
 from lightdist.pipeline.tied import tied_across_stages, tied_names
@@ -473,14 +474,18 @@ def _split_experts(
     if experts is None:
         return _SplitExperts([], None)
     ep = config.expert_parallel_size
+    held_as = "lists of experts" if experts.listed else "experts modules"
     report(
         f"lightdist: expert parallelism over {ep} ranks: the {experts.num_experts} experts of each of "
-        f"{len(experts.names)} MoE layers, {experts.num_experts // ep} per rank (experts modules "
+        f"{len(experts.names)} MoE layers, {experts.num_experts // ep} per rank ({held_as} "
         f"{experts.declared_by}: {experts.names[0]}, ...)."
     )
     ranks = expert_mesh(mesh, ep)
     held = [name for name in experts.names if _has_submodule(model, name)]  # under a pipeline, this rank's stages'
-    apply_expert_parallel(model, dataclasses.replace(experts, names=held), ranks["ep"])
+    experts = dataclasses.replace(experts, names=held)
+    if experts.listed:
+        return _SplitExperts(apply_listed_expert_parallel(model, experts, ranks["ep"].get_group()), ranks["edp"])
+    apply_expert_parallel(model, experts, ranks["ep"])
     return _SplitExperts([model.get_submodule(name) for name in held], ranks["edp"])
 
 

@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightdist.activation_checkpointing import ActivationCheckpointing
 from lightdist.async_checkpoint import AsyncMode, buffers_copied
+from lightdist.listed_experts import experts_held_apart
 from lightdist.loss_parallel import vocab_parallel_cross_entropy
 from lightdist.parallelize import ModelHolder, ParallelConfig, Parallelized, materialize, parallelize
 from lightdist.pipeline.schedules import PipelineSchedule
@@ -284,7 +285,9 @@ class ParallelStrategy(MeshStrategy):
         tensor- and data-parallel shard, a weight tied across the pipeline's ends counted once."""
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         elsewhere = self._pipeline_step.counted_elsewhere() if self._pipeline_step is not None else set()
-        return grad_norm_across_stages(parameters, self.device_mesh["pp"].get_group(), counted_elsewhere=elsewhere)
+        apart = experts_held_apart(self.lightning_module)
+        pp = self.device_mesh["pp"].get_group()
+        return grad_norm_across_stages(parameters, pp, counted_elsewhere=elsewhere, held_apart=apart)
 
     def _clip_grad_norm_across_stages(self, optimizer: Optimizer, clip_val: float) -> None:
         parameters = [p for group in optimizer.param_groups for p in group["params"]]

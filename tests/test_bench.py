@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).parents[1] / "bench" / "throughput.py"
 
 
@@ -56,9 +58,10 @@ def test_checkpoint_stall_benchmark_times_every_kind_of_save(tmp_path: Path) -> 
     assert state_gigabytes > 0 and all(value > 0 for value in seconds)
 
 
-def test_expert_parallel_benchmark_times_each_ep_in_turn(tmp_path: Path) -> None:
+@pytest.mark.parametrize("experts", ["stacked", "list"])
+def test_expert_parallel_benchmark_times_each_ep_in_turn(tmp_path: Path, experts: str) -> None:
     bench = BENCH.parent / "expert_parallel.py"
-    options = ["--ranks", "2", "--ep", "1", "2", "--steps", "2", "--warmup", "1", "--rounds", "1"]
+    options = ["--ranks", "2", "--ep", "1", "2", "--steps", "2", "--warmup", "1", "--rounds", "1", "--experts", experts]
     run = subprocess.run(
         [sys.executable, str(bench), *options], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )

@@ -18,8 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
+from torch import nn
 
+from lightdist.expert_load import ExpertLoad
 from lightdist.expert_parallel import find_experts
+from lightdist.listed_experts import ExpertList
 from lightdist.models import Llama, MoELlama, TokenDataModule
 from lightdist.plugins import ParallelStrategy, TrainingMonitor, WandbLogger
 
@@ -42,6 +45,10 @@ MATCH_ONE_PROCESS = {
         **{f"zoo_hf_{family}_ep2": Case(strategy=EP2, model=f"zoo_hf_{family}_logits") for family in HF_FAMILIES},
         # the second rank's experts get no token: its backward still sends gradients back through both all-to-alls
         "moe_ep2_a_rank_gets_no_token": Case(strategy=EP2, model="moe_routed_to_the_first_experts"),
+        # experts held as a list of modules, called one by one by the block's own loop: over the experts hit, as
+        # transformers 4's Mixtral loops, and over all of them, as LitGPT's LLaMAMoE does
+        "listed_experts_ep2_zero3_clip": Case(strategy=EP2, model="listed_experts", gradient_clip_val=0.5),
+        "zoo_litgpt_moe_ep2_zero0": Case(strategy=dict(EP2, zero_stage=0), model="zoo_litgpt_moe"),
     },
     4: {
         # two ranks hold each expert: each expert's gradient sums 2 ranks' tokens, then 2 copies' gradients
@@ -63,11 +70,14 @@ MATCH_ONE_PROCESS = {
         "zoo_hf_qwen2_moe_pp2_ep2_gpipe": Case(
             strategy=dict(PP2, **EP2, pipeline_schedule="gpipe", microbatches=4), model="zoo_hf_qwen2_moe_logits"
         ),
+        "listed_experts_ep2_of_dp4_zero2": Case(strategy=dict(EP2, zero_stage=2), model="listed_experts"),
+        "zoo_litgpt_moe_pp2_ep2_clip": Case(strategy=dict(PP2, **EP2), model="zoo_litgpt_moe", gradient_clip_val=0.5),
     },
     # each stage's attention split over 2 tensor-parallel ranks, its experts over its 2 data-parallel ranks
     8: {
         "moe_pp2_ep2_tp2_clip": Case(strategy=dict(PP2, **EP2, **TP2), model="moe_lm_only", gradient_clip_val=0.5),
         "zoo_hf_qwen3_moe_pp2_ep2_tp2": Case(strategy=dict(PP2, **EP2, **TP2), model="zoo_hf_qwen3_moe_logits"),
+        "zoo_litgpt_moe_pp2_ep2_tp2": Case(strategy=dict(PP2, **EP2, **TP2), model="zoo_litgpt_moe"),
     },
 }
 # Compared with plain data parallelism of the same size: the load-balancing loss on.
@@ -97,11 +107,6 @@ REFUSED = {
         "dense_model": (
             Case(strategy=EP2, model="llama", steps=1),
             r"expert_parallel_size=2, but Llama has no MoE layer: .* Set expert_parallel_size=1 for a dense model",
-        ),
-        "experts_in_a_list": (
-            Case(strategy=EP2, model="listed_experts", steps=1),
-            r"expert_parallel_size=2, but ListedExpertsLM holds its experts as a list of modules "
-            r"\(blocks.0.ffn.experts: 4 x _GatedFeedForward\) that its own code calls one by one, .* Stack the experts",
         ),
     },
     4: {
@@ -169,8 +174,10 @@ def assert_same_weights(run: Result, expected: Result) -> None:
     assert run.params.keys() == expected.params.keys()
     for key in expected.params:
         torch.testing.assert_close(run.params[key], expected.params[key], rtol=1e-5, atol=WEIGHT_ATOL, msg=key)
-    # the experts were split: each rank held its share, and the whole weights were gathered for the comparison
-    assert any(tensor.dim() == 3 and tensor.size(0) == 8 for tensor in run.params.values())
+    # the experts were split: each rank held its share, and the whole weights were gathered for the comparison (8
+    # stacked, or the last of 4 in a list, which the first rank does not hold)
+    stacked = any(tensor.dim() == 3 and tensor.size(0) == 8 for tensor in run.params.values())
+    assert stacked or any(".experts.3." in key for key in run.params)
 
 
 @pytest.mark.parametrize(
@@ -238,6 +245,30 @@ def test_experts_are_read_from_the_model_where_it_declares_them_and_found_where_
     assert discovered.declared_by == "discovered"
     assert discovered.names == [f"model.layers.{index}.mlp.experts" for index in range(4)]
     assert find_experts(Llama("tiny")) is None
+    listed = find_experts(MODELS["zoo_litgpt_moe"](learning_rate=1e-3, warmup_steps=1))
+    assert listed.listed and listed.declared_by == "discovered"
+    assert listed.names == [f"model.transformer.h.{index}.mlp.experts" for index in range(4)]
+    assert (listed.num_experts, listed.top_k) == (4, 2)  # top_k from LitGPT's config: n_expert_per_token
+
+
+def test_an_expert_of_a_list_given_more_than_its_tokens_says_where_to_apply_the_weights() -> None:
+    experts = ExpertList(nn.ModuleList(nn.Linear(4, 4) for _ in range(4)), range(2, 4), ep_group=None)
+    assert [name for name, _ in experts.named_parameters()] == ["2.weight", "2.bias", "3.weight", "3.bias"]
+    assert len(experts) == 4 and len(list(experts)) == 4  # every expert's call, as the block's loop expects
+    tokens = torch.ones(3, 4)
+    with pytest.raises(TypeError, match=r"Expert 1 was called with more than its tokens; .* Apply routing weights"):
+        experts[1](tokens, torch.ones(3, 1))
+    with pytest.raises(RuntimeError, match="Expert 3 was called outside its MoE block's forward"):
+        experts[-1](tokens)
+
+
+def test_each_expert_of_a_list_counts_the_tokens_routed_to_it() -> None:
+    model = MODELS["listed_experts"](learning_rate=1e-3, warmup_steps=1)
+    load = ExpertLoad(model)
+    model(torch.randint(0, 64, (4, 32)))
+    tokens = load.take()
+    assert list(tokens) == ["blocks.0.ffn.experts", "blocks.1.ffn.experts"]
+    assert all(len(counts) == 4 and counts.sum() == 4 * 32 * 2 for counts in tokens.values())  # to 2 experts each
 
 
 def train_logging_to_wandb(save_dir: str) -> None:

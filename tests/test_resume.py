@@ -46,6 +46,11 @@ RESUMES = {
     # each MoE layer's experts split over 2 ranks on save (and their Adam moments), every expert on each rank on load
     "moe_ep2_to_ep1": (two_epochs(model="moe", expert_parallel_size=2), two_epochs(model="moe")),
     "moe_ep1_zero0_to_ep2": (two_epochs(model="moe", zero_stage=0), two_epochs(model="moe", expert_parallel_size=2)),
+    # experts in a list of modules, each rank holding and saving half of them under their own names
+    "listed_experts_ep2_to_ep1": (
+        two_epochs(model="listed_experts", expert_parallel_size=2),
+        two_epochs(model="listed_experts", zero_stage=0),
+    ),
     # optimizer state split by parameter on save, whole parameters split across 2 ranks on load
     "dp2_zero1_to_tp2": (two_epochs(batch_size=2, zero_stage=1), two_epochs(tensor_parallel_size=2, zero_stage=3)),
 }

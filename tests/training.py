@@ -101,9 +101,10 @@ class _ListedExperts(nn.Module):
         tokens = x.flatten(0, 1)
         weights, chosen = torch.topk(F.softmax(self.gate(tokens), dim=-1), 2)
         out = torch.zeros_like(tokens)
-        for index, expert in enumerate(self.experts):
-            rows, slot = torch.where(chosen == index)
-            out.index_add_(0, rows, expert(tokens[rows]) * weights[rows, slot, None])
+        expert_mask = F.one_hot(chosen, num_classes=len(self.experts)).permute(2, 1, 0)
+        for hit in torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero():  # only the experts that got tokens
+            slot, rows = torch.where(expert_mask[hit].squeeze(0))
+            out.index_add_(0, rows, self.experts[hit](tokens[rows]) * weights[rows, slot, None])
         return out.view_as(x)
 
 
@@ -221,6 +222,10 @@ MODELS = {
     },
     "zoo_nanogpt": zoo.NanoGPT,
     "zoo_litgpt": zoo.LitGPT,
+    # LitGPT's Mixtral-style MoE: its experts a list of modules that LLaMAMoE's loop calls one by one.
+    "zoo_litgpt_moe": partial(
+        zoo.LitGPT, mlp_class_name="LLaMAMoE", n_expert=4, n_expert_per_token=2, moe_intermediate_size=64
+    ),
     "zoo_hf_llama_labels": partial(zoo.HuggingFaceLabels, model_type="llama", num_key_value_heads=2, **zoo.HF_TINY),
     "zoo_hf_qwen2_logits": partial(zoo.HuggingFaceLogits, model_type="qwen2", num_key_value_heads=2, **zoo.HF_TINY),
     "zoo_hf_llama_base_and_head": partial(

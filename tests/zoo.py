@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import litgpt
 import torch
@@ -269,12 +270,13 @@ class HuggingFaceBaseAndHead(HuggingFaceLabels):
 
 class LitGPT(LightningModule):
     """LitGPT's ``GPT`` from a tiny Llama-style ``Config`` (grouped-query attention with a fused ``qkv``, a SwiGLU
-    MLP, RMSNorm), called as ``self.model(x)`` and the loss computed in the step, as LitGPT's pretraining does."""
+    MLP, RMSNorm), called as ``self.model(x)`` and the loss computed in the step, as LitGPT's pretraining does.
+    ``config`` overrides the ``Config``'s fields (``mlp_class_name="LLaMAMoE"``: LitGPT's Mixtral-style MoE)."""
 
-    def __init__(self, learning_rate: float, warmup_steps: int) -> None:
+    def __init__(self, learning_rate: float, warmup_steps: int, **config: Any) -> None:
         super().__init__()
         self.learning_rate = learning_rate
-        config = litgpt.Config(
+        tiny_llama = dict(
             block_size=64,
             vocab_size=64,
             padded_vocab_size=64,
@@ -289,6 +291,7 @@ class LitGPT(LightningModule):
             mlp_class_name="LLaMAMLP",
             intermediate_size=176,
         )
+        config = litgpt.Config(**(tiny_llama | config))
         self.model = litgpt.GPT(config)
         self.model.apply(self.model._init_weights)
 

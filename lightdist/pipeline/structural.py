@@ -16,7 +16,7 @@ as without a pipeline.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -334,17 +334,33 @@ def clip_grads(parameters: Iterable[nn.Parameter], max_norm: float, total_norm: 
 
 
 def grad_norm_across_stages(
-    parameters: list[nn.Parameter], pp_group: dist.ProcessGroup, *, counted_elsewhere: set[int] = frozenset()
+    parameters: list[nn.Parameter],
+    pp_group: dist.ProcessGroup,
+    *,
+    counted_elsewhere: set[int] = frozenset(),
+    held_apart: Mapping[dist.ProcessGroup, set[int]] | None = None,
 ) -> Tensor:
     """The norm of the whole model's gradient, of which each stage holds a share (and, as DTensors, each tensor-,
     data- and expert-parallel rank a shard).
 
     ``counted_elsewhere``: ids of parameters another stage also holds and counts (a weight tied across the ends).
+    ``held_apart``: ids of parameters of which each rank of a group holds others, by that group (listed experts).
     """
-    counted = [p.grad for p in parameters if p.grad is not None and id(p) not in counted_elsewhere]
-    squared = torch.zeros((), device=parameters[0].device)
-    for grads in _by_mesh(counted):
-        norm = torch.nn.utils.get_total_norm(grads)
-        squared = squared + (norm.full_tensor() if isinstance(norm, DTensor) else norm).float().pow(2)
+    counted = [p for p in parameters if p.grad is not None and id(p) not in counted_elsewhere]
+    apart = {group: [p for p in counted if id(p) in ids] for group, ids in (held_apart or {}).items()}
+    each_own = {id(p) for held in apart.values() for p in held}
+    squared = _squared_norm([p for p in counted if id(p) not in each_own], parameters[0].device)
+    for group, held in apart.items():
+        over_group = _squared_norm(held, parameters[0].device)
+        dist.all_reduce(over_group, group=group)
+        squared = squared + over_group
     dist.all_reduce(squared, group=pp_group)
     return squared.sqrt()
+
+
+def _squared_norm(parameters: list[nn.Parameter], device: torch.device) -> Tensor:
+    squared = torch.zeros((), device=device)
+    for grads in _by_mesh(p.grad for p in parameters):
+        norm = torch.nn.utils.get_total_norm(grads)
+        squared = squared + (norm.full_tensor() if isinstance(norm, DTensor) else norm).float().pow(2)
+    return squared
