@@ -49,6 +49,8 @@ MATCH_ONE_PROCESS = {
         # transformers 4's Mixtral loops, and over all of them, as LitGPT's LLaMAMoE does
         "listed_experts_ep2_zero3_clip": Case(strategy=EP2, model="listed_experts", gradient_clip_val=0.5),
         "zoo_litgpt_moe_ep2_zero0": Case(strategy=dict(EP2, zero_stage=0), model="zoo_litgpt_moe"),
+        # a DeepSeek-style block written here: a shared expert beside 8 small routed ones, a sigmoid router
+        "deepseek_style_ep2": Case(strategy=EP2, model="deepseek_style"),
     },
     4: {
         # two ranks hold each expert: each expert's gradient sums 2 ranks' tokens, then 2 copies' gradients
@@ -71,6 +73,7 @@ MATCH_ONE_PROCESS = {
             strategy=dict(PP2, **EP2, pipeline_schedule="gpipe", microbatches=4), model="zoo_hf_qwen2_moe_logits"
         ),
         "listed_experts_ep2_of_dp4_zero2": Case(strategy=dict(EP2, zero_stage=2), model="listed_experts"),
+        "deepseek_style_ep4_zero2": Case(strategy=dict(expert_parallel_size=4, zero_stage=2), model="deepseek_style"),
         "zoo_litgpt_moe_pp2_ep2_clip": Case(strategy=dict(PP2, **EP2), model="zoo_litgpt_moe", gradient_clip_val=0.5),
     },
     # each stage's attention split over 2 tensor-parallel ranks, its experts over its 2 data-parallel ranks

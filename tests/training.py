@@ -117,6 +117,37 @@ class ListedExpertsLM(UnknownFamilyLM):
             block.ffn = _ListedExperts(64)
 
 
+class _DeepSeekStyleMoE(nn.Module):
+    """DeepSeek's MoE as its users write it: a shared expert every token goes through beside many small routed experts
+    (fine-grained), chosen by a sigmoid router whose top scores are normalized to sum to one."""
+
+    def __init__(self, width: int, experts: int = 8, top_k: int = 2, hidden: int = 16) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(width, experts, bias=False)
+        self.experts = nn.ModuleList(_GatedFeedForward(width, hidden) for _ in range(experts))
+        self.shared_experts = _GatedFeedForward(width, 2 * hidden)
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = x.flatten(0, 1)
+        weights, chosen = torch.topk(torch.sigmoid(self.gate(tokens)), self.top_k)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        routed = torch.zeros_like(tokens)
+        for index in chosen.unique().tolist():
+            rows, slot = torch.where(chosen == index)
+            routed.index_add_(0, rows, self.experts[index](tokens[rows]) * weights[rows, slot, None])
+        return (routed + self.shared_experts(tokens)).view_as(x)
+
+
+class DeepSeekStyleLM(UnknownFamilyLM):
+    """The unknown family with a DeepSeek-style MoE feed-forward written here: shared and fine-grained experts."""
+
+    def __init__(self, learning_rate: float, warmup_steps: int) -> None:
+        super().__init__(learning_rate=learning_rate, warmup_steps=warmup_steps)
+        for block in self.blocks:
+            block.ffn = _DeepSeekStyleMoE(64)
+
+
 class SequentialBlocksLM(CausalLM):
     """A user's LLM in the style of many tutorials: blocks in an ``nn.Sequential``, learned positions, the LM head tied
     to the embedding. With no ``ModuleList`` to loop over, pipeline stages are cut by torch's tracer."""
@@ -193,6 +224,7 @@ MODELS = {
     "gpt2_dropout": partial(GPT2, "tiny", config={"dropout": 0.1}),  # each rank draws its own masks
     "unknown_family": UnknownFamilyLM,
     "listed_experts": ListedExpertsLM,
+    "deepseek_style": DeepSeekStyleLM,
     "sequential_blocks": SequentialBlocksLM,
     "hf_llama": partial(HuggingFaceCausalLM, config=dict(HF_TINY, model_type="llama", num_key_value_heads=2)),
     "hf_qwen2": partial(HuggingFaceCausalLM, config=dict(HF_TINY, model_type="qwen2", num_key_value_heads=2)),
