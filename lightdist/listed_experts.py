@@ -159,7 +159,8 @@ def _routed_twice(forward: Callable[..., Any], experts: ExpertList) -> Callable[
     @wraps(forward)
     def routed_twice(*args: Any, **kwargs: Any) -> Any:
         recording = _Recording()
-        device = next(experts.parameters()).device
+        # The random state of the device the block computes on (its parameters may be offloaded to the CPU).
+        device = next((x.device for x in (*args, *kwargs.values()) if isinstance(x, Tensor)), torch.device("cpu"))
         with torch.random.fork_rng([device] if device.type == "cuda" else []), experts.calls_as(recording):
             forward(*args, **kwargs)
         outputs = experts.exchange(recording.calls)
