@@ -267,8 +267,7 @@ def _listed_experts(model: nn.Module) -> list[str]:
     found = []
     for prefix, module in model.named_modules():
         for name, child in module.named_children():
-            held = list(child.children())
-            if not isinstance(child, nn.ModuleList) or len(child) < 2 or len({type(m) for m in held}) != 1:
+            if not isinstance(child, nn.ModuleList) or len(child) < 2 or len({type(m) for m in child.children()}) != 1:
                 continue
             if any(isinstance(m, nn.Linear) and m.out_features == len(child) for m in module.children()):
                 found.append(f"{prefix}.{name}".lstrip("."))

@@ -127,17 +127,16 @@ class MeshStrategy(ModelParallelStrategy):
     def _start_process_group(self) -> None:
         """The world's process group, its ranks met in this start's round of the store, its collectives waiting
         ``collective_timeout``; NCCL's groups destroyed at exit, as torch asks."""
-        environment = self.cluster_environment
+        environment, backend = self.cluster_environment, self.process_group_backend
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = environment.main_address, str(environment.main_port)
         dist.init_process_group(
-            self.process_group_backend,
+            backend,
             rank=self.global_rank,
             world_size=self.world_size,
             store=round_store(self.global_rank, self._collective_timeout),
             timeout=self._collective_timeout,
             device_id=self.root_device if self.root_device.type != "cpu" else None,
         )
-        backend = self.process_group_backend
         if backend == "nccl":
             atexit.register(_destroy_process_group)
         rank_zero_info(f"lightdist: {self.world_size} processes joined the process group ({backend})")
@@ -155,9 +154,7 @@ class MeshStrategy(ModelParallelStrategy):
     @property
     @override
     def process_group_backend(self) -> str:
-        if self._backend is None:
-            self._backend = "nccl" if self.root_device.type == "cuda" else "gloo"
-        return self._backend
+        return self._backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
 
     @override
     def setup_environment(self) -> None:
