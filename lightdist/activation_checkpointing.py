@@ -7,50 +7,78 @@ the order torchtitan uses: FSDP's hooks on the block then gather its parameters 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
-from functools import partial, wraps
+from functools import cache, partial, wraps
+from itertools import product
 from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightdist.torch_internals import ATTENTION_OPS
-
-__all__ = ["ActivationCheckpointing", "apply_activation_checkpointing"]
+__all__ = ["ActivationCheckpointing", "apply_activation_checkpointing", "attention_ops"]
 
 ActivationCheckpointing = Literal["full", "selective"]
 
-# Outputs worth keeping: matmuls and attention are where the FLOPs are; norms, activations and elementwise ops are
-# cheap to recompute and hold as much memory. This is torchtitan's op-level selective checkpointing policy.
-_SAVE_OUTPUTS_OF = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    *ATTENTION_OPS,
-}
+# Outputs worth keeping: matmuls and attention (``attention_ops``) are where the FLOPs are; norms, activations and
+# elementwise ops are cheap to recompute and hold as much memory. This is torchtitan's op-level selective
+# checkpointing policy.
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
 
 
-def _save_compute_heavy_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OUTPUTS_OF else CheckpointPolicy.PREFER_RECOMPUTE
+@cache
+def attention_ops(device_type: str) -> frozenset[Callable[..., Any]]:
+    """The ops ``scaled_dot_product_attention`` dispatches to on ``device_type``, one per fused backend that runs
+    there (flash, memory-efficient, cuDNN): those whose outputs selective checkpointing keeps.
+
+    aten's names for them are private, and differ per backend, device and torch version; asking SDPA which ops it runs
+    needs none. So each backend runs once on tiny inputs under a checkpoint policy that records the ops it sees. The
+    math backend is left out: it runs matmuls, kept already.
+    """
+    seen = []
+
+    def record(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        seen.append(op)
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    contexts = partial(create_selective_checkpoint_contexts, record)
+    backends = [b for b in SDPBackend.__members__.values() if b not in (SDPBackend.MATH, SDPBackend.ERROR)]
+    # With grad, also when first called in validation: checkpointing without it asks no policy.
+    with torch.inference_mode(False), torch.enable_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # SDPA warns why each backend that cannot run here does not
+        for backend, dtype in product(backends, (torch.float32, torch.bfloat16, torch.float16)):
+            qkv = torch.ones(1, 2, 64, 64, dtype=dtype, device=device_type, requires_grad=True)
+            try:
+                with sdpa_kernel(backend):
+                    checkpoint(scaled_dot_product_attention, qkv, qkv, qkv, use_reentrant=False, context_fn=contexts)
+            except RuntimeError:  # the backend does not run on this device, or in this dtype
+                continue
+    # The attention ops only: not the casts autocast adds around them.
+    return frozenset(op for op in seen if "attention" in op.name())
 
 
 def apply_activation_checkpointing(blocks: Iterable[nn.Module], *, mode: ActivationCheckpointing) -> None:
     """Recompute each block's activations in backward: all of them (``"full"``) or only the cheap ones. ``blocks``:
     a decoder stack's, or a traced pipeline stage's."""
-    if mode == "full":
-        options = {}
-    elif mode == "selective":
-        options = {"context_fn": partial(create_selective_checkpoint_contexts, _save_compute_heavy_outputs)}
-    else:
+    if mode not in ("full", "selective"):
         raise ValueError(f"activation_checkpointing={mode!r} is not one of None, 'full', 'selective'.")
     for block in blocks:
-        block.forward = _recomputed_in_backward(block.forward, options)
+        block.forward = _recomputed_in_backward(block.forward, selective=mode == "selective")
 
 
-def _recomputed_in_backward(forward: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
+def _recomputed_in_backward(forward: Callable[..., Any], selective: bool) -> Callable[..., Any]:
     @wraps(forward)
     def recomputed_in_backward(*args: Any, **kwargs: Any) -> Any:
+        options: dict[str, Any] = {}
+        if selective:
+            # The attention ops of the device the block runs on, known only now: a model built on the meta device
+            # is moved after its blocks are wrapped.
+            device = next(a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+            keep = [*_MATMULS, *attention_ops(device.type)]
+            options["context_fn"] = partial(create_selective_checkpoint_contexts, keep)
         return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
 
     return recomputed_in_backward

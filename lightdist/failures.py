@@ -2,7 +2,7 @@
 
 Every rank prints what ends it. A bug in a training step fails every rank at once, and their tracebacks interleave
 line by line; a rank that fails alone leaves the others failing in collectives after it, each with a traceback of a
-broken connection that hides the cause. The process group's store says which rank failed first: the first to set a
+broken connection that hides the cause. A store rank 0 serves says which rank failed first: the first to set a
 key. Its traceback is printed as it fails, before the others' lines, which say how they ended and name it.
 """
 
@@ -45,7 +45,7 @@ class FailureReport:
             _replace_traceback(exception, line=None)
             return
         if first is None:
-            line = f"{summary}, after rank 0, which held the process group's store, exited: the first error is above"
+            line = f"{summary}, after rank 0, which held the store of failures, exited: the first error is above"
         elif first.partition(": ")[2] == error:
             line = f"rank {self.rank} failed with the same error as {first.partition(':')[0]}, whose traceback is above"
         else:

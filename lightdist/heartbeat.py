@@ -1,4 +1,4 @@
-"""Which rank stopped answering: every rank's heartbeat in the process group's store, read when a collective times out.
+"""Which rank stopped answering: every rank's heartbeat in a store rank 0 serves, read when a collective times out.
 
 A timed-out collective tells the rank that waited only that it waited. Each rank's heartbeat thread writes, every
 ``interval_s``, the time, the training step and where its main thread is. When a collective times out, the waiting rank
@@ -17,11 +17,10 @@ import time
 from datetime import timedelta
 from types import FrameType
 
-from torch.distributed import DistBackendError, Store
+import torch.distributed as dist
+from torch.distributed import DistBackendError, Store, TCPStore
 
-from lightdist.torch_internals import default_store
-
-__all__ = ["Heartbeat", "describe_ranks", "failed_collective", "name_the_silent_rank"]
+__all__ = ["Heartbeat", "describe_ranks", "failed_collective", "name_the_silent_rank", "store_on_rank_zero"]
 
 _KEY = "lightdist/heartbeat/{rank}"
 
@@ -37,12 +36,9 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._beat, name=f"lightdist-heartbeat-{rank}", daemon=True)
 
     @classmethod
-    def started(cls, rank: int, world_size: int, timeout: timedelta) -> Heartbeat | None:
-        """This rank's heartbeat, beating into the default process group's store often enough to be read within a
-        quarter of ``timeout``; ``None`` for a single process, which has no one to wait on."""
-        if world_size < 2:
-            return None
-        heartbeat = cls(default_store(), rank, min(10.0, timeout.total_seconds() / 4))
+    def started(cls, store: Store, rank: int, timeout: timedelta) -> Heartbeat:
+        """This rank's heartbeat, beating into ``store`` often enough to be read within a quarter of ``timeout``."""
+        heartbeat = cls(store, rank, min(10.0, timeout.total_seconds() / 4))
         heartbeat.start()
         return heartbeat
 
@@ -69,6 +65,17 @@ class Heartbeat:
     def _write(self) -> None:
         beat = {"time": time.time(), "step": self.step, "where": _where(self._main_thread)}
         self.store.set(_KEY.format(rank=self.rank), json.dumps(beat))
+
+
+def store_on_rank_zero(host: str, timeout: timedelta) -> Store:
+    """A store that rank 0 serves at ``host`` to every rank of the world, for heartbeats and failure reports: the
+    process group's own store is not reachable through torch's public API, and may be the user's. A collective."""
+    server = (
+        TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout) if dist.get_rank() == 0 else None
+    )
+    port = [server.port if server is not None else None]
+    dist.broadcast_object_list(port, src=0)
+    return server or TCPStore(host, port[0], is_master=False, timeout=timeout)
 
 
 def describe_ranks(store: Store, world_size: int, interval_s: float) -> str:

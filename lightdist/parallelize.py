@@ -453,14 +453,14 @@ def _blocks_per_stage(
 
 @dataclass(frozen=True)
 class _SplitExperts:
-    """The experts modules expert parallelism split, and the mesh of the ranks that hold the same experts."""
+    """The experts modules expert parallelism split, and the ``("pp", "edp", "ep", "tp")`` mesh they are split on."""
 
     modules: list[nn.Module]
-    edp_mesh: DeviceMesh | None
+    mesh: DeviceMesh | None
 
     def within(self, stage: nn.Module) -> _SplitExperts:
         held = set(stage.modules())
-        return _SplitExperts([module for module in self.modules if module in held], self.edp_mesh)
+        return _SplitExperts([module for module in self.modules if module in held], self.mesh)
 
 
 def _split_experts(
@@ -484,9 +484,9 @@ def _split_experts(
     held = [name for name in experts.names if _has_submodule(model, name)]  # under a pipeline, this rank's stages'
     experts = dataclasses.replace(experts, names=held)
     if experts.listed:
-        return _SplitExperts(apply_listed_expert_parallel(model, experts, ranks["ep"].get_group()), ranks["edp"])
+        return _SplitExperts(apply_listed_expert_parallel(model, experts, ranks["ep"].get_group()), ranks)
     apply_expert_parallel(model, experts, ranks["ep"])
-    return _SplitExperts([model.get_submodule(name) for name in held], ranks["edp"])
+    return _SplitExperts([model.get_submodule(name) for name in held], ranks)
 
 
 def _recompute_and_compile(blocks: Iterable[nn.Module], config: ParallelConfig) -> None:
@@ -510,12 +510,12 @@ def _shard(
     apply_data_parallel(
         root,
         blocks,
-        dp_mesh=mesh["dp"],
+        mesh,
         zero_stage=zero_stage,
         param_dtype=config.param_dtype,
         cpu_offload=config.cpu_offload,
         experts=experts.modules,
-        edp_mesh=experts.edp_mesh,
+        expert_mesh=experts.mesh,
     )
 
 

@@ -31,7 +31,7 @@ from lightdist.pipeline.structural import balanced_split, stage_costs
 from lightdist.structure import find_decoder_stack
 from lightdist.tensor_parallel import TensorParallelStyle, check_divisible, discover_plan, replicated_key_values
 from lightdist.throughput import DecoderFlops
-from lightdist.torch_internals import FakeTensorMode, storage_key
+from lightdist.torch_internals import FakeTensorMode
 
 __all__ = [
     "Cluster",
@@ -208,15 +208,17 @@ class ModelShape:
         A model fake tensors cannot run (its forward branches on values, or does not take a batch of token ids) is
         counted as Korthikanti et al. count a GPT block, with a warning."""
         tokens = 64
-        saved: dict[int, int] = {}  # storage -> bytes, of the block that first saved it
-        block_of_storage: dict[int, int] = {}
+        # Keyed by storage: torch keeps one Python object per storage (a view's is its base's), hashed by identity,
+        # where fake tensors' data pointers are all 0. The keys keep them alive, so no key is reused.
+        saved: dict[torch.UntypedStorage, int] = {}  # storage -> bytes, of the block that first saved it
+        block_of_storage: dict[torch.UntypedStorage, int] = {}
         current: list[int | None] = [None]
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            key = storage_key(tensor)
-            if current[0] is not None and key not in saved:
-                saved[key] = tensor.untyped_storage().nbytes()
-                block_of_storage[key] = current[0]
+            storage = tensor.untyped_storage()
+            if current[0] is not None and storage not in saved:
+                saved[storage] = storage.nbytes()
+                block_of_storage[storage] = current[0]
             return tensor
 
         hooks = []
@@ -233,7 +235,7 @@ class ModelShape:
                     name: torch.empty(b.shape, dtype=torch.float32 if b.is_floating_point() else b.dtype)
                     for name, b in self.model.named_buffers()
                 }
-                saved.update((storage_key(t), 0) for t in state.values())  # weights are not activations
+                saved.update((t.untyped_storage(), 0) for t in state.values())  # weights are not activations
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                     functional_call(self.model, state, (torch.zeros(1, tokens, dtype=torch.long),))
         except (RuntimeError, TypeError) as error:  # fake tensors' errors are RuntimeErrors

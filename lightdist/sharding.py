@@ -2,15 +2,16 @@
 
 | stage | parameters             | gradients        | optimizer state      | how                                     |
 |-------|------------------------|------------------|----------------------|-----------------------------------------|
-| 0     | replicated             | all-reduced      | replicated           | FSDP2's ``replicate``                   |
-| 1     | replicated             | all-reduced      | sharded by parameter | ``replicate`` + ``ShardedOptimizer``    |
+| 0     | replicated             | all-reduced      | replicated           | FSDP2 on a ``(dp, 1)`` mesh             |
+| 1     | replicated             | all-reduced      | sharded by parameter | the same + ``ShardedOptimizer``         |
 | 2     | gathered once per step | reduce-scattered | sharded              | FSDP2, ``reshard_after_forward=False``  |
 | 3     | sharded                | reduce-scattered | sharded              | FSDP2, ``reshard_after_forward=True``   |
 
 Every stage wraps each decoder block and then the root, so a block's parameters are gathered just before use
-(stages 2-3) and its gradients reduced as soon as its backward ends. Stages 0-1 use FSDP2's ``replicate`` rather than
-the composable DDP one: it takes tensor-parallel DTensor parameters as ``fully_shard`` does, where DDP drops their
-gradients.
+(stages 2-3) and its gradients reduced as soon as its backward ends. Stages 0-1 are ``fully_shard`` on an HSDP mesh
+whose shard dimension has one rank, ``(dp, 1)`` (torchtitan's ``("dp_replicate", "dp_shard")``): each rank keeps
+whole parameters, gathers from no other rank, and all-reduces gradients over ``dp``, which is DDP. FSDP2's machinery
+rather than the composable DDP ``replicate``, which drops the gradients of tensor-parallel DTensor parameters.
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightdist.torch_internals import replicate
-
 __all__ = [
     "ShardedOptimizer",
     "ZeroStage",
@@ -44,25 +43,33 @@ ZeroStage = Literal[0, 1, 2, 3]
 def apply_data_parallel(
     root: nn.Module,
     blocks: Iterable[nn.Module],
-    dp_mesh: DeviceMesh,
+    mesh: DeviceMesh,
     *,
     zero_stage: ZeroStage,
     param_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
     experts: Iterable[nn.Module] = (),
-    edp_mesh: DeviceMesh | None = None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
-    """Make ``root`` data parallel over ``dp_mesh``, sharding as much as ``zero_stage`` asks, one unit per block.
+    """Make ``root`` data parallel over the ``"dp"`` ranks of ``mesh`` (the ``("pp", "dp", "tp")`` mesh), sharding as
+    much as ``zero_stage`` asks, one unit per block.
 
     ``param_dtype`` is the compute dtype of FSDP2's mixed precision; gradients are always reduced in fp32.
-    ``experts`` (split by expert parallelism) are units of their own over ``edp_mesh``, the ranks that hold the same
-    experts. Each of their gradients already sums the tokens of the ``ep`` ranks that sent tokens to it, so the sum over
-    ``edp_mesh`` is divided by the whole data-parallel size, not by ``edp_mesh``'s.
+    ``experts`` (split by expert parallelism) are units of their own over the ``"edp"`` ranks of ``expert_mesh`` (the
+    ``("pp", "edp", "ep", "tp")`` mesh), the ranks that hold the same experts. Each of their gradients already sums the
+    tokens of the ``ep`` ranks that sent tokens to it, so the sum over ``edp`` is divided by the whole data-parallel
+    size, not by ``edp``'s. Every rank calls it alike: stages 0-1 make a group.
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    dp_size = mesh["dp"].size()
     if zero_stage in (0, 1):
-        wrap = partial(replicate, mesh=dp_mesh, mp_policy=mp_policy)
+        dp_mesh = _replicated_mesh(mesh, "dp")
+        edp_mesh = _replicated_mesh(expert_mesh, "edp") if expert_mesh is not None else None
+        # Nothing to reshard: a shard of one rank is the whole parameter.
+        wrap = partial(fully_shard, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
     else:
+        dp_mesh = mesh["dp"]
+        edp_mesh = expert_mesh["edp"] if expert_mesh is not None else None
         wrap = partial(
             fully_shard,
             mesh=dp_mesh,
@@ -72,14 +79,38 @@ def apply_data_parallel(
         )
     for module in experts:
         wrap(module, mesh=edp_mesh)
-        module.set_gradient_divide_factor(dp_mesh.size())
+        module.set_gradient_divide_factor(dp_size)
         if zero_stage >= 2 and edp_mesh.size() > 1:
             # A reduce-scatter folds the division into a pre-multiplied sum, which gloo lacks: divide on its own.
-            # (Not on one rank, where torch 2.13 would then divide twice, nor under replicate's plain all-reduce.)
+            # Not where the shard group has one rank (edp of one rank, or stages 0-1's (edp, 1) mesh): FSDP2 (torch
+            # 2.11, 2.13) then skips the reduce-scatter and divides as it copies, so a forced sum would divide twice.
             module.set_force_sum_reduction_for_comms(True)
     for block in blocks:
         wrap(block)
     wrap(root)
+
+
+def _replicated_mesh(mesh: DeviceMesh, dim: str) -> DeviceMesh:
+    """The 2-D ``(dim, dim + "_shard")`` mesh of ``mesh``, its shard dimension of one rank, this one: ``fully_shard``
+    on it keeps parameters whole (``to_local()`` is the whole parameter, or its tensor-parallel shard) and all-reduces
+    gradients over ``dim``.
+
+    It indexes ``mesh``'s whole ranks tensor, a size-1 dimension put after ``dim``, because FSDP2 joins it with a
+    tensor- or expert-parallel parameter's mesh only over the same ranks tensor. Its groups are ``mesh``'s own (their
+    timeouts included) and one of this rank alone: a ``DeviceMesh`` built anew would make every group again, a
+    collective of all ranks that, given only this rank's ranks, pairs ranks of different groups.
+    """
+    names = mesh.mesh_dim_names
+    after = names.index(dim) + 1
+    alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    groups = mesh.get_all_groups()
+    whole = DeviceMesh.from_group(
+        [*groups[:after], alone, *groups[after:]],
+        mesh.device_type,
+        mesh.mesh.unsqueeze(after),
+        mesh_dim_names=(*names[:after], f"{dim}_shard", *names[after:]),
+    )
+    return whole[(dim, f"{dim}_shard")]
 
 
 class ShardedOptimizer(Optimizer):

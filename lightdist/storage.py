@@ -265,7 +265,8 @@ def _spelled_as(url: str, root: str, path: str) -> str:
     return url if relative == "." else f"{url.rstrip('/')}/{relative}"
 
 
-_SHARDED_FILES = frozenset({MANIFEST_FILENAME, ".metadata", LIGHTNING_METADATA_FILENAME})
+DCP_INDEX_FILENAME = ".metadata"
+_SHARDED_FILES = frozenset({MANIFEST_FILENAME, DCP_INDEX_FILENAME, LIGHTNING_METADATA_FILENAME})
 
 
 def _inspect(fs: Any, path: str, sizes: Mapping[str, int]) -> tuple[str | None, int | None]:
@@ -366,7 +367,9 @@ def reader(url: str) -> FsspecReader:
 class _SafeReader(FsspecReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # DCP's own body, with the unpickler swapped.
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as metadata_file:
+        rank = kwargs.get("rank")
+        index = DCP_INDEX_FILENAME if rank is None else f"__{rank}{DCP_INDEX_FILENAME}"
+        with self.fs.create_stream(self.fs.concat_path(self.path, index), "rb") as metadata_file:
             metadata = _IndexUnpickler(metadata_file, str(self.path)).load()
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()

@@ -39,14 +39,20 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 from torch.distributed.tensor.experimental import implicit_replication
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightdist.dataflow import trace_block_plan
 from lightdist.expert_parallel import moe_blocks
 from lightdist.pipeline.tied import tied_names
 from lightdist.structure import DecoderStack, in_features, is_conv1d, is_projection, out_features, within
-from lightdist.torch_internals import style_io_hooks
 
 __all__ = [
     "BLOCK_RULES",
@@ -209,7 +215,7 @@ class Colwise(ColwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not is_conv1d(module):
             return super()._apply(module, device_mesh)
-        return _distribute_conv1d(self, module, device_mesh, weight=Shard(1), bias=Shard(0))
+        return _distribute_conv1d(self, module, device_mesh, weight=Shard(1), bias=Shard(0), output=Shard(-1))
 
 
 class Rowwise(RowwiseParallel):
@@ -219,16 +225,15 @@ class Rowwise(RowwiseParallel):
     ``mlp_output += attention_output``), which autograd refuses on a view a custom Function made.
     """
 
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, module, outputs, device_mesh):
-        outputs = RowwiseParallel._prepare_output_fn(output_layouts, False, module, outputs, device_mesh)
-        return outputs.to_local().clone() if use_local_output else outputs
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not is_conv1d(module):
-            return super()._apply(module, device_mesh)
-        self.desired_input_layouts = (Shard(-1),)
-        return _distribute_conv1d(self, module, device_mesh, weight=Shard(0), bias=Replicate())
+        if is_conv1d(module):
+            self.desired_input_layouts = (Shard(-1),)
+            _distribute_conv1d(self, module, device_mesh, weight=Shard(0), bias=Replicate(), output=Partial())
+        else:
+            super()._apply(module, device_mesh)
+        if self.use_local_output:
+            module.register_forward_hook(lambda module, args, output: output.clone())
+        return module
 
 
 def _distribute_conv1d(
@@ -238,19 +243,24 @@ def _distribute_conv1d(
     *,
     weight: Placement,
     bias: Placement,
+    output: Placement,
 ) -> nn.Module:
+    """Split a ``Conv1D``'s parameters, its weight transposed to a Linear's, and take its input and give its output
+    as ``style`` does a Linear's: ``output`` is the placement the split computes."""
+
     def partition(name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         for param_name, param in module.named_parameters(recurse=False):
             placement = weight if param_name == "weight" else bias
             distributed = distribute_tensor(param, device_mesh, [placement], src_data_rank=style.src_data_rank)
             module.register_parameter(param_name, nn.Parameter(distributed))
 
-    return distribute_module(
-        module,
-        device_mesh,
-        partition,
-        *style_io_hooks(style),
+    distribute_module(module, device_mesh, partition)
+    inputs = PrepareModuleInput(input_layouts=style.input_layouts, desired_input_layouts=style.desired_input_layouts)
+    outputs = PrepareModuleOutput(
+        output_layouts=output, desired_output_layouts=style.output_layouts, use_local_output=style.use_local_output
     )
+    parallelize_module(module, device_mesh, inputs)
+    return parallelize_module(module, device_mesh, outputs)
 
 
 class FusedColwiseParallel(Colwise):

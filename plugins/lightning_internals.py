@@ -40,8 +40,6 @@ SUBCLASS_PRIVATES = {
     "_remove_checkpoint": "ModelCheckpoint's removal, which goes through the strategy after every save in flight",
     "_last_checkpoint_saved": "ModelCheckpoint's record of its last.ckpt",
     "_last_global_step_saved": "ModelCheckpoint's record of the step last saved",
-    "_get_train_description": "RichProgressBar's training description, an epoch count that an endless run shows as "
-    "'Epoch 0/-2'",
     "_wandb_init": "WandbLogger's arguments to wandb.init, where Lightning always puts anonymous=None, which wandb "
     "0.2x warns on every run has no effect: the key is left out",
     "_run_subcommand": "LightningCLI's run of the parsed subcommand, which the Ray launcher replaces with its workers",

@@ -27,14 +27,14 @@ from typing_extensions import override
 
 from lightdist.expert_parallel import check_expert_layout
 from lightdist.failures import FailureReport
-from lightdist.heartbeat import Heartbeat, name_the_silent_rank
+from lightdist.heartbeat import Heartbeat, name_the_silent_rank, store_on_rank_zero
 from lightdist.layout import ParallelLayout, ParallelMesh
 from lightdist.parallelize import ParallelConfig
 from lightdist.plugins.auto_layout import LayoutRequest
 from lightdist.plugins.lightning_internals import give_device_mesh
 from lightdist.plugins.resume import ResumesLast, resuming_launcher
 from lightdist.restarts import nodes_started_by_torchrun, round_store
-from lightdist.torch_internals import default_store, set_group_timeout
+from lightdist.torch_internals import set_group_timeout
 
 __all__ = ["MeshStrategy"]
 
@@ -183,10 +183,11 @@ class MeshStrategy(ModelParallelStrategy):
         for dim in self._mesh.mesh_dim_names:  # torch makes a mesh's groups with its default timeout
             set_group_timeout(self._mesh[dim].get_group(), self._collective_timeout)
         give_device_mesh(self.lightning_module, self._mesh)
-        if self._heartbeat is None:
-            self._heartbeat = Heartbeat.started(self.global_rank, self.world_size, self._collective_timeout)
-        if self.world_size > 1:
-            self._failures = FailureReport(default_store(), self.global_rank)
+        if self.world_size > 1:  # a single process has no one to wait on
+            if self._heartbeat is None:
+                store = store_on_rank_zero(self.cluster_environment.main_address, self._collective_timeout)
+                self._heartbeat = Heartbeat.started(store, self.global_rank, self._collective_timeout)
+            self._failures = FailureReport(self._heartbeat.store, self.global_rank)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

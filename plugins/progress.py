@@ -25,13 +25,27 @@ class _CountsSteps:
 
 
 class RichStepProgressBar(_CountsSteps, RichProgressBar):
-    """Lightning's ``RichProgressBar``, counting steps."""
+    """Lightning's ``RichProgressBar``, counting steps; a run that ends at ``max_steps`` is described as training,
+    not by an epoch count."""
 
     @override
-    def _get_train_description(self, current_epoch: int) -> str:
-        if self.trainer.max_epochs is not None and self.trainer.max_epochs > 0:
-            return super()._get_train_description(current_epoch)
-        return f"{'Training':{len(self.validation_description)}}"  # no epoch count: the run ends at max_steps
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        self._describe_training(trainer)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any) -> None:
+        made_here = self.train_progress_bar_id is None  # Lightning makes the bar here on a resume mid-epoch
+        super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+        if made_here:
+            self._describe_training(trainer)
+
+    def _describe_training(self, trainer: pl.Trainer) -> None:
+        endless = trainer.max_epochs is None or trainer.max_epochs <= 0
+        if endless and self.progress is not None and self.train_progress_bar_id is not None:
+            self.progress.update(
+                self.train_progress_bar_id, description=f"{'Training':{len(self.validation_description)}}"
+            )
 
 
 class TQDMStepProgressBar(_CountsSteps, TQDMProgressBar):

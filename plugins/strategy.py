@@ -82,7 +82,7 @@ class ParallelStrategy(MeshStrategy):
             ``train/non_finite_steps``.
         collective_timeout: Seconds a collective waits for the other ranks before it fails (default 1800, torch's),
             in every group the strategy makes. The rank that times out names the rank that stopped answering: each
-            rank's heartbeat (its step, and where its main thread is) is in the process group's store.
+            rank's heartbeat (its step, and where its main thread is) is in a store rank 0 serves.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; default: the device's own.
     """
 

@@ -31,7 +31,7 @@ from lightdist.plugins.lightning_internals import (
 )
 from lightdist.plugins.pipeline_step import batch_on_device, optimizer_steps_after
 from lightdist.sharding import optimizer_states_to
-from lightdist.torch_internals import default_store, is_view, set_group_timeout, storage_key
+from lightdist.torch_internals import is_view, set_group_timeout
 
 REPO = Path(__file__).parents[1]
 INTERNALS = {REPO / "lightdist/torch_internals.py", REPO / "plugins/lightning_internals.py"}
@@ -57,7 +57,10 @@ def _own_private_names() -> set[str]:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 names.add(node.name)
             elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-                names.add(node.attr)
+                # Set on self, or named as lightdist's own: setting another object's private attribute is a use.
+                on_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+                if on_self or node.attr.startswith("_lightdist"):
+                    names.add(node.attr)
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 names.add(node.id)
             elif isinstance(node, ast.arg):
@@ -158,21 +161,16 @@ def test_private_members_that_subclasses_use_of_other_packages_classes_are_decla
 
 
 def test_declared_private_members_still_exist_where_lightdist_uses_them() -> None:
-    from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.loggers import WandbLogger
     from lightning.pytorch.strategies import ModelParallelStrategy
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+    from torch.distributed.tensor.parallel import ParallelStyle
 
     owners = {
         "_configure_launcher": ModelParallelStrategy,
         "_run_subcommand": LightningCLI,
-        "_get_train_description": RichProgressBar,
         "_apply": ParallelStyle,
-        "_prepare_input_fn": ColwiseParallel,
-        "_prepare_output_fn": RowwiseParallel,
-        "_get_metadata_path": FileSystemReader,
         "_wandb_init": WandbLogger(offline=True),  # made in __init__; no run starts until it logs
     }
     checkpoint = ModelCheckpoint()
@@ -239,13 +237,8 @@ def test_torchmetrics_internals_behave_as_lightdist_relies_on() -> None:
 def test_torch_internals_behave_as_lightdist_relies_on(tmp_path: Path) -> None:
     tensor = torch.ones(4, 4)
     assert is_view(tensor[0]) and not is_view(tensor)
-    on_meta = torch.empty(4, device="meta"), torch.empty(4, device="meta")
-    assert storage_key(on_meta[0]) != storage_key(on_meta[1])
-    assert storage_key(tensor) == storage_key(tensor[1:])
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
-        default_store().set("lightdist/test", "beat")
-        assert default_store().get("lightdist/test") == b"beat"
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
         set_group_timeout(mesh.get_group(), timedelta(seconds=7))
         module = _Recorder()

@@ -83,7 +83,8 @@ class _Tiny(LightningModule):
 class _ReadBar(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         bar = trainer.progress_bar_callback
-        self.shown = type(bar).__name__, bar.get_metrics(trainer, pl_module)
+        description = bar.progress.tasks[bar.train_progress_bar_id].description
+        self.shown = type(bar).__name__, bar.get_metrics(trainer, pl_module), description
 
 
 class _MyBar(RichProgressBar):
@@ -109,6 +110,7 @@ def bars_shown() -> list[tuple[str, dict]]:
 
 
 def test_the_progress_bar_counts_steps_toward_max_steps_and_a_users_own_bar_is_left_alone() -> None:
-    (ours, metrics), (theirs, _) = run_ranks(1, bars_shown)[0]
+    (ours, metrics, description), (theirs, _, their_description) = run_ranks(1, bars_shown)[0]
     assert ours == "RichStepProgressBar" and metrics["step"] == "3/3" and "v_num" not in metrics
-    assert theirs == "_MyBar"
+    assert description.strip() == "Training"  # not Lightning's "Epoch 0/-2" of a run that ends at max_steps
+    assert theirs == "_MyBar" and their_description.startswith("Epoch 0/-2")

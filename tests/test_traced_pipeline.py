@@ -89,6 +89,29 @@ def test_activation_checkpointing_recomputes_traced_blocks_in_backward() -> None
     assert plain + block_forward / 2 < backward_flops() < plain + block_forward
 
 
+class AddsOnes(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x + torch.ones(16, device=x.device)
+
+
+class MakesTensors(nn.Module):
+    """Makes tensors in its blocks and around them: the trace records the example's device in those calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = AddsOnes(), AddsOnes()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.second(self.first(x)) + torch.zeros(16, device=x.device)
+
+
+def test_traced_stages_make_their_tensors_on_the_device_they_run_on() -> None:
+    example = torch.zeros(2, 16)  # traced on the CPU, for stages on the meta device
+    first, last = trace_stages(MakesTensors(), ((example,), {}), ["first", "second"], [1, 1], torch.device("meta"))
+
+    assert last(first(torch.zeros(2, 16, device="meta"))).is_meta
+
+
 class BranchesOnData(BlocksAsAttributes):
     def forward(self, tokens: Tensor) -> Tensor:
         x = self.first(self.embed(tokens))

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 from torch import Tensor, fx, nn
 from torch.distributed.pipelining import SplitPoint, pipeline
+from torch.export.unflatten import InterpreterModule
 
 from lightdist.pipeline.structural import balanced_split
-from lightdist.torch_internals import drop_pipeline_split_markers, move_graph_to_device
+from lightdist.torch_internals import drop_pipeline_split_markers
 
 __all__ = [
     "TracedInput",
@@ -83,10 +84,25 @@ def trace_stages(
             f"forward does not call the blocks {', '.join(starts)} in order. Call each block once, in order."
         )
     for stage in stages:
-        move_graph_to_device(stage, device)
+        _make_factory_calls_on(stage, device)
         _drop_uncalled(stage)
         _use_model_parameters(model, stage)
     return stages
+
+
+def _make_factory_calls_on(stage: fx.GraphModule, device: torch.device) -> None:
+    """Make a traced stage's factory calls (``torch.zeros(..., device=...)``) make tensors on ``device``: the tracer
+    records the example's device in them. As torch's ``Pipe.build_stage`` does, in the stage's graph and in its
+    submodules' (the ``InterpreterModule``s the tracer outlines the model's modules into; those it made for
+    containers such as a ``ModuleList`` run no graph, and have no ``graph_module``)."""
+    for module in stage.modules():
+        graph_module = getattr(module, "graph_module", None) if isinstance(module, InterpreterModule) else module
+        if not isinstance(graph_module, fx.GraphModule):
+            continue
+        for node in graph_module.graph.nodes:
+            if node.op == "call_function" and node.kwargs.get("device", device) != device:
+                node.update_kwarg("device", device)
+        graph_module.recompile()
 
 
 def _drop_uncalled(stage: fx.GraphModule) -> None:
