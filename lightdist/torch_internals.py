@@ -10,7 +10,7 @@ Each name is here because torch has no public way to do the same yet:
 - ``torch._subclasses.fake_tensor``, ``torch.testing._internal.distributed.fake_pg``: shapes without memory, and a
   process group without processes, for the planner and ``lightdist plan``.
 - ``torch.distributed.distributed_c10d``: a group's timeout.
-- ``Tensor._base`` and ``Module._orig_forward`` (set by torch's pipelining tracer).
+- ``Tensor._base``: whether a tensor is a view.
 
 ``SUBCLASS_PRIVATES`` lists the private members of torch's classes that lightdist's subclasses override or call.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.distributed_c10d import _set_pg_timeout
@@ -32,7 +32,6 @@ __all__ = [
     "FakeTensorMode",
     "FsspecReader",
     "FsspecWriter",
-    "drop_pipeline_split_markers",
     "is_view",
     "set_group_timeout",
 ]
@@ -52,8 +51,3 @@ def set_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
 def is_view(tensor: Tensor) -> bool:
     """Whether ``tensor`` is a view of another tensor's memory."""
     return tensor._base is not None
-
-
-def drop_pipeline_split_markers(block: nn.Module) -> None:
-    """Take off ``block`` the forward wrapper torch's ``pipeline()`` tracer leaves on a split point."""
-    del block.forward, block._orig_forward

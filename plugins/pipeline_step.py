@@ -216,6 +216,7 @@ class PipelineStep:
         self._whole_output = last[0].whole_output if last and traced_input is None else lambda output: output
         self._called = ""  # the module the step calls as the model, learned with each batch's call
         self.pp_group, self.last = stages[0].group, any(stage.is_last for stage in stages)
+        self.first = any(stage.is_first for stage in stages)
         self._last_stage = dist.get_world_size(self.pp_group) - 1  # the last stage is on the pp group's last rank
         # The schedule's own scaling divides every gradient by the microbatch count after each step, also those
         # accumulated over earlier batches; scaling each microbatch's loss instead keeps accumulation exact.
@@ -337,8 +338,9 @@ class PipelineStep:
             )
         if self.traced_input is None:
             inputs, stage_kwargs = (), {"lightdist_model_call": call}
-        else:
+        else:  # checked on every rank, so that each raises alike; torch 2.11 takes them on the first stage only
             inputs, stage_kwargs = self.traced_input((call.args, call.kwargs)), {}
+            inputs = inputs if self.first else ()
         try:
             return run(
                 *inputs,

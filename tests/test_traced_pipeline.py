@@ -106,10 +106,12 @@ class MakesTensors(nn.Module):
 
 
 def test_traced_stages_make_their_tensors_on_the_device_they_run_on() -> None:
-    example = torch.zeros(2, 16)  # traced on the CPU, for stages on the meta device
-    first, last = trace_stages(MakesTensors(), ((example,), {}), ["first", "second"], [1, 1], torch.device("meta"))
+    model, example = MakesTensors(), torch.zeros(2, 16)  # traced on the CPU, for stages on the meta device
+    attributes = dict(vars(model.second))
+    first, last = trace_stages(model, ((example,), {}), ["first", "second"], [1, 1], torch.device("meta"))
 
     assert last(first(torch.zeros(2, 16, device="meta"))).is_meta
+    assert vars(model.second) == attributes  # the tracer's split markers are removed again
 
 
 class BranchesOnData(BlocksAsAttributes):

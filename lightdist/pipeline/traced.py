@@ -25,7 +25,6 @@ from torch.distributed.pipelining import SplitPoint, pipeline
 from torch.export.unflatten import InterpreterModule
 
 from lightdist.pipeline.structural import balanced_split
-from lightdist.torch_internals import drop_pipeline_split_markers
 
 __all__ = [
     "TracedInput",
@@ -64,6 +63,8 @@ def trace_stages(
     """
     starts = [block_names[sum(sizes[:stage])] for stage in range(1, len(sizes))]
     args, kwargs = example
+    # pipeline() marks a split point by setting attributes on the block (a forward wrapper among them), and leaves them.
+    attributes_before = {name: dict(vars(model.get_submodule(name))) for name in starts}
     try:
         pipe = pipeline(model, args, kwargs, split_spec=dict.fromkeys(starts, SplitPoint.BEGINNING))
     except Exception as error:
@@ -75,8 +76,11 @@ def trace_stages(
             "traceable by torch.export (no data-dependent control flow, no graph breaks)."
         ) from error
     finally:
-        for name in starts:  # pipeline() leaves its split markers on the blocks
-            drop_pipeline_split_markers(model.get_submodule(name))
+        for name, attributes in attributes_before.items():
+            block = model.get_submodule(name)
+            for added in set(vars(block)) - set(attributes):
+                delattr(block, added)
+            vars(block).update(attributes)
     stages = [pipe.get_stage_module(index) for index in range(pipe.num_stages)]
     if len(stages) != len(sizes):
         raise ValueError(
