@@ -150,10 +150,7 @@ class _ParsedOnly(LightningCLI):
     """The config as the workers will read it, checked by LightningCLI's own parser; nothing is built or run."""
 
     def instantiate_classes(self) -> None:
-        pass
-
-    def _run_subcommand(self, subcommand: str) -> None:
-        pass
+        self.subcommand = None  # parsed, and not run
 
 
 def _parsed_trainer_config(cli_args: list[str]) -> dict[str, Any]:

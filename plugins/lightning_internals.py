@@ -42,7 +42,6 @@ SUBCLASS_PRIVATES = {
     "_last_global_step_saved": "ModelCheckpoint's record of the step last saved",
     "_wandb_init": "WandbLogger's arguments to wandb.init, where Lightning always puts anonymous=None, which wandb "
     "0.2x warns on every run has no effect: the key is left out",
-    "_run_subcommand": "LightningCLI's run of the parsed subcommand, which the Ray launcher replaces with its workers",
 }
 
 
