@@ -77,9 +77,9 @@ class ModelCheckpoint(_LightningModelCheckpoint):
             self._last_only_path = self._path(f"{self.CHECKPOINT_NAME_LAST}-step={trainer.global_step}")
             self._save_checkpoint(trainer, self._last_only_path)
             if previous_last_only:
-                self._remove_checkpoint(trainer, previous_last_only)
+                trainer.strategy.remove_checkpoint(previous_last_only)
         elif self._last_only_path:  # last.ckpt will name a top-k checkpoint: the state kept for it alone goes
-            self._remove_checkpoint(trainer, self._last_only_path)
+            trainer.strategy.remove_checkpoint(self._last_only_path)
             self._last_only_path = ""
         self.last_model_path = self._path(self.CHECKPOINT_NAME_LAST)
         trainer.strategy.checkpoint_io.point(self.last_model_path, self._last_checkpoint_saved)

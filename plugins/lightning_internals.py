@@ -37,7 +37,6 @@ SUBCLASS_PRIVATES = {
     "the layout is checked before any process starts",
     "_save_last_checkpoint": "ModelCheckpoint's save of last.ckpt, made a pointer to the newest complete checkpoint",
     "_save_checkpoint": "ModelCheckpoint's save, which the pointer's save calls",
-    "_remove_checkpoint": "ModelCheckpoint's removal, which goes through the strategy after every save in flight",
     "_last_checkpoint_saved": "ModelCheckpoint's record of its last.ckpt",
     "_last_global_step_saved": "ModelCheckpoint's record of the step last saved",
     "_wandb_init": "WandbLogger's arguments to wandb.init, where Lightning always puts anonymous=None, which wandb "
