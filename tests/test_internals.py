@@ -107,6 +107,13 @@ def test_private_names_of_other_packages_go_through_the_internals_modules_only()
     assert outside == [], "private names of other packages outside the internals modules:\n" + "\n".join(outside)
 
 
+def test_a_private_attribute_lightdist_sets_on_another_packages_object_counts_as_a_use() -> None:
+    own = _own_private_names()
+    internals = [use.split()[-1] for path in sorted(INTERNALS) for use in private_uses(path, own)]
+    assert {"._skip_backward", "._device_mesh", "._update_count"} <= set(internals)  # set on Lightning's objects
+    assert "_lightdist_row_order" in own  # set on a module, named as lightdist's own
+
+
 def _lightdist_classes() -> list[type]:
     import lightdist.models
     import lightdist.plugins
