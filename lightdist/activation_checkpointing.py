@@ -19,6 +19,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lightdist.dataflow import device_of_call
+
 __all__ = ["ActivationCheckpointing", "apply_activation_checkpointing", "attention_ops"]
 
 ActivationCheckpointing = Literal["full", "selective"]
@@ -76,8 +78,7 @@ def _recomputed_in_backward(forward: Callable[..., Any], selective: bool) -> Cal
         if selective:
             # The attention ops of the device the block runs on, known only now: a model built on the meta device
             # is moved after its blocks are wrapped.
-            device = next(a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
-            keep = [*_MATMULS, *attention_ops(device.type)]
+            keep = [*_MATMULS, *attention_ops(device_of_call(args, kwargs).type)]
             options["context_fn"] = partial(create_selective_checkpoint_contexts, keep)
         return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
 

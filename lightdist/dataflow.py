@@ -21,7 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightdist.structure import DecoderStack, is_projection, out_features
 
-__all__ = ["run_first_block", "tensors_in", "trace_block_plan"]
+__all__ = ["device_of_call", "run_first_block", "tensors_in", "trace_block_plan"]
 
 _SPLITS = {torch.split, torch.chunk, Tensor.split, Tensor.chunk, torch.tensor_split, Tensor.tensor_split}
 _FUSED_BY_PARTS = {3: "qkv", 2: "gate_up"}
@@ -32,6 +32,12 @@ def tensors_in(value: Any) -> list[Tensor]:
     found: list[Tensor] = []
     apply_to_collection(value, Tensor, found.append, allow_frozen=True)
     return found
+
+
+def device_of_call(args: tuple, kwargs: dict) -> torch.device:
+    """The device a module's call computes on: its first tensor argument's, not its parameters' (which CPU offload
+    keeps on the CPU, and a model built on meta has there until it is moved); the CPU for a call without one."""
+    return next((x.device for x in (*args, *kwargs.values()) if isinstance(x, Tensor)), torch.device("cpu"))
 
 
 class _Provenance(TorchFunctionMode):

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightdist.dataflow import device_of_call
 from lightdist.expert_parallel import ExpertModules, all_to_all_rows
 
 __all__ = ["ExpertList", "apply_listed_expert_parallel", "experts_held_apart"]
@@ -159,8 +160,7 @@ def _routed_twice(forward: Callable[..., Any], experts: ExpertList) -> Callable[
     @wraps(forward)
     def routed_twice(*args: Any, **kwargs: Any) -> Any:
         recording = _Recording()
-        # The random state of the device the block computes on (its parameters may be offloaded to the CPU).
-        device = next((x.device for x in (*args, *kwargs.values()) if isinstance(x, Tensor)), torch.device("cpu"))
+        device = device_of_call(args, kwargs)  # whose random state the replay forks
         with torch.random.fork_rng([device] if device.type == "cuda" else []), experts.calls_as(recording):
             forward(*args, **kwargs)
         outputs = experts.exchange(recording.calls)
