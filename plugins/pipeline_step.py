@@ -235,10 +235,12 @@ class PipelineStep:
         for stage in stages:
             for compute, name in _STAGE_COMPUTE.items():
                 setattr(stage, compute, self.clock.timed(getattr(stage, compute), f"stage {stage.stage_index} {name}"))
-        # The schedule's first training step calls the loss once more, before any microbatch, on made-up outputs: it
-        # learns the shapes of the gradients that flow between stages. That call must leave no trace.
-        self._gradient_shapes_known = False
-        self._learning_gradient_shapes = False
+            if stage.is_last:
+                stage.forward_one_chunk = self._counting_outputs(stage.forward_one_chunk)
+        # Outputs of the last stage's forward not yet given to the loss. torch's schedule also calls the loss on
+        # made-up outputs, with none waiting, to learn the shapes of the gradients that flow between stages: torch 2.13
+        # at the first training step and at each one after an evaluation, torch 2.11 never. That call leaves no trace.
+        self._outputs_awaiting_loss = 0
 
     def run(self, step_name: str, batch: Any, batch_idx: int, optimizers: list[Optimizer], precision: Precision) -> Any:
         """Lightning's ``step_name`` for one batch, in ``precision``'s context for it. A training step also does what
@@ -275,8 +277,6 @@ class PipelineStep:
         self._loss_scale = loss_scale / self.microbatches
         step = getattr(type(self.module), step_name)
         self._step = lambda microbatch: step(self.module, microbatch, batch_idx)
-        self._learning_gradient_shapes = train and not self._gradient_shapes_known
-        self._gradient_shapes_known |= train
         updates = {name: metric.update_count for name, metric in self.metrics.items()}
         losses: list[Tensor] = []
         with self.clock.timing("scheduled"):
@@ -310,6 +310,7 @@ class PipelineStep:
         The call's arguments reach every stage (the first only, when traced), cut into microbatches: tensors along
         their first dimension.
         """
+        self._outputs_awaiting_loss = 0  # none left by a run that raised
         call = self._model_call(batch)
         self._called = call.path
         sizes: set[int] = set()
@@ -354,16 +355,27 @@ class PipelineStep:
 
     def loss(self, output: Any, microbatch: Any) -> Tensor:
         """The schedule's ``loss_fn`` on the last stage: the user's step, its model call answered with ``output``."""
+        made_up = self._outputs_awaiting_loss == 0
+        if not made_up:
+            self._outputs_awaiting_loss -= 1
         if self._step is None:  # predicting: the schedule computes outputs only
             return torch.zeros((), device=self.module.device)
-        learning_shapes, self._learning_gradient_shapes = self._learning_gradient_shapes, False
         whole = self._whole_output(output)
         with (
             self.clock.timing("busy"),
-            self._calling_user_step(lambda *args, **kwargs: whole, leave_no_trace=learning_shapes),
+            self._calling_user_step(lambda *args, **kwargs: whole, leave_no_trace=made_up),
         ):
             result = self._step(microbatch)
         return (result["loss"] if isinstance(result, Mapping) else result) * self._loss_scale
+
+    def _counting_outputs(self, forward_one_chunk: Callable[..., Any]) -> Callable[..., Any]:
+        @wraps(forward_one_chunk)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            output = forward_one_chunk(*args, **kwargs)
+            self._outputs_awaiting_loss += 1
+            return output
+
+        return counted
 
     def _model_call(self, batch: Any) -> ModelCall:
         step = self._step_for_input or self._step

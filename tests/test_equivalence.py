@@ -43,7 +43,9 @@ CASES = {
         "hf_llama_tp2": Case(strategy=dict(TP2, zero_stage=3), model="hf_llama", gradient_clip_val=0.1),
         "hf_opt_tp2_row_parallel_biases": Case(strategy=dict(TP2_NO_SP, zero_stage=3), model="hf_opt"),
         "pp2_gpipe": Case(strategy=dict(PP2, pipeline_schedule="gpipe")),
-        "pp2_1f1b_4_microbatches_clip": Case(strategy=dict(PP2, microbatches=4), gradient_clip_val=0.1, validate=True),
+        "pp2_1f1b_4_microbatches_clip_validating_every_2_steps": Case(
+            strategy=dict(PP2, microbatches=4), gradient_clip_val=0.1, validate=True, val_check_interval=2
+        ),
         "pp2_accumulate": Case(strategy=dict(PP2), accumulate_grad_batches=2),
         # the embedding on the first stage and the LM head on the last share one weight
         "pp2_gpt2_tied_clip": Case(strategy=dict(PP2, microbatches=4), model="gpt2", gradient_clip_val=0.1),

@@ -337,6 +337,7 @@ class Case:
     limit_train_batches: int | None = None  # batches per epoch
     shuffle: bool = False  # a parallel run's shuffled order is not the single process's: compare runs in one layout
     validate: bool = False  # after training, trainer.validate: its loss and perplexity must be the single process's
+    val_check_interval: int | None = None  # also validate every this many batches while training
 
     def reference(self, world_size: int) -> Case:
         """The single-process run that must produce the same numbers as this one on ``world_size`` ranks."""
@@ -353,6 +354,7 @@ class Case:
             gradient_clip_val=self.gradient_clip_val,
             precision=self.precision,
             validate=self.validate,
+            val_check_interval=self.val_check_interval,
         )
 
 
@@ -470,6 +472,7 @@ def train(
         precision=case.precision,
         # The first 8 batches of each data-parallel rank: together the single process's first 8 batches.
         limit_val_batches=8,
+        val_check_interval=case.val_check_interval,
         num_sanity_val_steps=0,
         callbacks=[TrainingMonitor(log_every_n_steps=1), _RecordLosses(result), _CountValidationWindows(), *callbacks],
         logger=False,
