@@ -11,6 +11,7 @@ imbalance are exact, the counts are then multiples.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -27,9 +28,11 @@ __all__ = ["ExpertLoad", "imbalance_metrics", "wandb_histograms"]
 
 class ExpertLoad:
     """Tokens routed to each expert of each MoE layer of ``model`` since the last ``take``; nothing for a dense
-    model."""
+    model. ``counting``: whether the forward now running routes tokens that count (a pipeline's stages also run on
+    made-up inputs while its schedule sets them up)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, counting: Callable[[], bool] = lambda: True) -> None:
+        self.counting = counting
         experts = find_experts(model)
         self.num_experts = experts.num_experts if experts is not None else 0
         self._counts: dict[str, Tensor] = {}
@@ -52,21 +55,16 @@ class ExpertLoad:
     def _count(
         self, name: str, index_name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        if module.training:
+        if module.training and self.counting():
             expert_index = args[1] if len(args) > 1 else kwargs[index_name]
             counts = torch.bincount(local_tensor(expert_index).detach().flatten(), minlength=self.num_experts)
             self._counts[name] = self._counts[name] + counts if name in self._counts else counts
 
     def _count_tokens(self, name: str, index: int, expert: nn.Module, args: tuple[Any, ...]) -> None:
-        if expert.training:
+        if expert.training and self.counting():
             counts = torch.zeros(self.num_experts, dtype=torch.long)
             counts[index] = local_tensor(args[0]).shape[:-1].numel()
             self._counts[name] = self._counts[name] + counts if name in self._counts else counts
-
-    def drop(self) -> None:
-        """Forget what was counted: forwards that routed no real tokens (torch's pipeline stages learn their shapes
-        from a first forward of uninitialised tensors)."""
-        self._counts = {}
 
     def take(self, counts_tokens: bool = True) -> dict[str, Tensor]:
         """Each layer's tokens per expert, summed over every rank, and the count started again. A collective of every

@@ -104,8 +104,6 @@ class TrainingMonitor(Callback):
         self._grad_norm: Tensor | None = None
         self._gradient_bytes = 0.0
         self._expert_load: ExpertLoad | None = None
-        self._first_step = 0
-        self._pipeline_warming_up = False
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -120,11 +118,10 @@ class TrainingMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._expert_load = ExpertLoad(pl_module)  # the model as split: its experts modules, under any layout
+        pipeline = trainer.strategy.pipeline_step if isinstance(trainer.strategy, ParallelStrategy) else None
+        # The model as split: its experts modules, under any layout; not the stages' runs on made-up inputs.
+        self._expert_load = ExpertLoad(pl_module, counting=lambda: pipeline is None or not pipeline.setting_up_stages)
         self._start_window(trainer)
-        self._first_step = trainer.global_step
-        strategy = trainer.strategy
-        self._pipeline_warming_up = isinstance(strategy, ParallelStrategy) and strategy.layout.pp > 1
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -156,9 +153,6 @@ class TrainingMonitor(Callback):
         sequences, self._seq_len = self.batch_shape_fn(batch)
         self._window_tokens += sequences * self._seq_len
         step = trainer.global_step
-        if self._pipeline_warming_up and step > self._first_step:
-            self._expert_load.drop()  # the pipeline's first step also ran its stages on uninitialised tensors
-            self._pipeline_warming_up = False
         if step == self._window_first_step or step % self._every or self._grad_norm is None:
             return  # accumulating, or not a step to log
         metrics = self._measure(trainer, steps=step - self._window_first_step)
@@ -263,7 +257,7 @@ def _held_bytes(tensors: Iterable[Any]) -> float:
 
 def _pipeline_time(strategy: ParallelStrategy) -> tuple[float, float]:
     """Seconds every rank's stages computed, and seconds their schedules ran, summed over the ranks."""
-    busy, scheduled = strategy.pipeline_time()
-    totals = torch.tensor([busy, scheduled], dtype=torch.float64, device=strategy.root_device)
+    clock = strategy.pipeline_step.clock
+    totals = torch.tensor([clock.busy_s, clock.scheduled_s], dtype=torch.float64, device=strategy.root_device)
     dist.all_reduce(totals)
     return totals[0].item(), totals[1].item()

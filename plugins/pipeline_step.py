@@ -235,12 +235,12 @@ class PipelineStep:
         for stage in stages:
             for compute, name in _STAGE_COMPUTE.items():
                 setattr(stage, compute, self.clock.timed(getattr(stage, compute), f"stage {stage.stage_index} {name}"))
-            if stage.is_last:
-                stage.forward_one_chunk = self._counting_outputs(stage.forward_one_chunk)
-        # Outputs of the last stage's forward not yet given to the loss. torch's schedule also calls the loss on
-        # made-up outputs, with none waiting, to learn the shapes of the gradients that flow between stages: torch 2.13
-        # at the first training step and at each one after an evaluation, torch 2.11 never. That call leaves no trace.
-        self._outputs_awaiting_loss = 0
+            stage.forward_one_chunk = self._ending_setup(stage.forward_one_chunk)
+        # Whether torch's schedule is still setting up this rank's stages, before its first microbatch's forward: it
+        # may run them on made-up inputs and call the loss on their made-up outputs, to learn the shapes of what flows
+        # between stages (torch 2.13 at the first training step and at the first after each evaluation; torch 2.11
+        # without the loss). The loss call leaves no trace, and the forwards route no token that counts.
+        self.setting_up_stages = False
 
     def run(self, step_name: str, batch: Any, batch_idx: int, optimizers: list[Optimizer], precision: Precision) -> Any:
         """Lightning's ``step_name`` for one batch, in ``precision``'s context for it. A training step also does what
@@ -310,7 +310,6 @@ class PipelineStep:
         The call's arguments reach every stage (the first only, when traced), cut into microbatches: tensors along
         their first dimension.
         """
-        self._outputs_awaiting_loss = 0  # none left by a run that raised
         call = self._model_call(batch)
         self._called = call.path
         sizes: set[int] = set()
@@ -342,6 +341,7 @@ class PipelineStep:
         else:  # checked on every rank, so that each raises alike; torch 2.11 takes them on the first stage only
             inputs, stage_kwargs = self.traced_input((call.args, call.kwargs)), {}
             inputs = inputs if self.first else ()
+        self.setting_up_stages = True
         try:
             return run(
                 *inputs,
@@ -352,30 +352,27 @@ class PipelineStep:
             )
         finally:
             self._step = self._step_for_input = None
+            self.setting_up_stages = False
 
     def loss(self, output: Any, microbatch: Any) -> Tensor:
         """The schedule's ``loss_fn`` on the last stage: the user's step, its model call answered with ``output``."""
-        made_up = self._outputs_awaiting_loss == 0
-        if not made_up:
-            self._outputs_awaiting_loss -= 1
         if self._step is None:  # predicting: the schedule computes outputs only
             return torch.zeros((), device=self.module.device)
         whole = self._whole_output(output)
         with (
             self.clock.timing("busy"),
-            self._calling_user_step(lambda *args, **kwargs: whole, leave_no_trace=made_up),
+            self._calling_user_step(lambda *args, **kwargs: whole, leave_no_trace=self.setting_up_stages),
         ):
             result = self._step(microbatch)
         return (result["loss"] if isinstance(result, Mapping) else result) * self._loss_scale
 
-    def _counting_outputs(self, forward_one_chunk: Callable[..., Any]) -> Callable[..., Any]:
+    def _ending_setup(self, forward_one_chunk: Callable[..., Any]) -> Callable[..., Any]:
         @wraps(forward_one_chunk)
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            output = forward_one_chunk(*args, **kwargs)
-            self._outputs_awaiting_loss += 1
-            return output
+        def forward_of_a_microbatch(*args: Any, **kwargs: Any) -> Any:
+            self.setting_up_stages = False
+            return forward_one_chunk(*args, **kwargs)
 
-        return counted
+        return forward_of_a_microbatch
 
     def _model_call(self, batch: Any) -> ModelCall:
         step = self._step_for_input or self._step

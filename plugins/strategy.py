@@ -293,12 +293,10 @@ class ParallelStrategy(MeshStrategy):
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         clip_grads(parameters, clip_val, self.gradient_norm(optimizer))
 
-    def pipeline_time(self) -> tuple[float, float]:
-        """Seconds this rank's pipeline stages have computed, and seconds their schedule has run: the difference is
-        the time they waited on other stages, the pipeline's bubble."""
-        if self._pipeline_step is None:
-            raise RuntimeError("pipeline_time() needs a pipeline: pipeline_parallel_size > 1.")
-        return self._pipeline_step.clock.busy_s, self._pipeline_step.clock.scheduled_s
+    @property
+    def pipeline_step(self) -> PipelineStep | None:
+        """What runs this rank's pipeline stages (its clock times the bubble); ``None`` without a pipeline."""
+        return self._pipeline_step
 
     @property
     @override
