@@ -113,6 +113,13 @@ class SaveTimer(Callback):
             timings.lightdist_first_blocking = self._blocked(step - 2)
             timings.lightdist_blocking = self._blocked(step - 1)
             timings.next_step_slower = self.step_seconds[step] - self.median_step_without_saves()
+            # Before the slower comparisons, so that a run stopped by its time limit still leaves lightdist's figures.
+            print(
+                f"{timings.target}: lightdist blocked {timings.lightdist_blocking:.3f} s (first save "
+                f"{timings.lightdist_first_blocking:.3f} s), next step {timings.next_step_slower:+.2f} s, upload "
+                f"{timings.lightdist_upload:.2f} s",
+                flush=True,
+            )
             self._compare_with_torch(trainer, pl_module, root, timings)
 
     def _lightdist_save(self, trainer: Trainer, url: str) -> float:

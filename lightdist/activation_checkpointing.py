@@ -3,6 +3,9 @@
 Each block's own ``forward`` is wrapped in ``torch.utils.checkpoint``, in place, so parameter names (and so
 checkpoints) do not change, as they would under a wrapper module. Must run after tensor parallelism and before FSDP,
 the order torchtitan uses: FSDP's hooks on the block then gather its parameters before the recomputed forward.
+
+Backward recomputes a block from the arguments its forward was given, so a block must not leave state behind that its
+recompute reads: checkpointed blocks are called without Hugging Face's key/value cache (``lightdist.kv_cache``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightdist.dataflow import device_of_call
+from lightdist.kv_cache import without_kv_cache
 
 __all__ = ["ActivationCheckpointing", "apply_activation_checkpointing", "attention_ops"]
 
@@ -80,6 +84,7 @@ def _recomputed_in_backward(forward: Callable[..., Any], selective: bool) -> Cal
             # is moved after its blocks are wrapped.
             keep = [*_MATMULS, *attention_ops(device_of_call(args, kwargs).type)]
             options["context_fn"] = partial(create_selective_checkpoint_contexts, keep)
+        args, kwargs = without_kv_cache(args, kwargs)
         return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
 
     return recomputed_in_backward

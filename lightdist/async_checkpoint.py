@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from lightdist.sharding import local_tensor
 from lightdist.storage import commit, is_complete, remove, write_pointer
-from lightdist.torch_internals import FsspecWriter
+from lightdist.torch_internals import FsspecWriter, quiet_checkpoint_processes
 
 __all__ = ["WRITER_THREADS", "AsyncMode", "CheckpointSaver", "buffers_copied"]
 
@@ -48,6 +48,8 @@ class CheckpointSaver:
 
     def __init__(self, mode: AsyncMode | None) -> None:
         self._mode = mode
+        if mode == "process":
+            quiet_checkpoint_processes()
         self._group: dist.ProcessGroup | None = None
         self._stager: DefaultStager | None = None
         self._staging: Future | None = None

@@ -86,7 +86,10 @@ class _FirstBlockDone(Exception):
 
 
 def run_first_block(model: nn.Module, stack: DecoderStack, tokens: int = 8) -> None:
-    """Run the network a training step calls on ``tokens`` zero tokens, up to the end of the first block.
+    """Run the network a training step calls on two sequences of ``tokens`` zero tokens, up to the end of the first
+    block. Two, so that what the block is given shows which sizes grow with the batch, as in training (BLOOM's ALiBi
+    biases lead with batch x heads, MPT's with heads alone: one sequence would make them alike), and code that folds
+    the batch into the heads costs in the layout check what it costs in training.
 
     The step may call the model itself or a module holding the stack (``self.model(x)``,
     ``self.model.model(input_ids=x)``); the innermost of those whose forward gets through the first block is run, so
@@ -99,7 +102,7 @@ def run_first_block(model: nn.Module, stack: DecoderStack, tokens: int = 8) -> N
         raise _FirstBlockDone
 
     device = next(model.parameters()).device
-    ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
+    ids = torch.zeros(2, tokens, dtype=torch.long, device=device)
     handle = stack.blocks[0].register_forward_hook(stop)
     errors = []
     try:
@@ -113,11 +116,11 @@ def run_first_block(model: nn.Module, stack: DecoderStack, tokens: int = 8) -> N
                 errors.append(f"{name or type(model).__name__}: {type(error).__name__}: {error}")
     finally:
         handle.remove()
-    raise RuntimeError(f"running the model on {tokens} tokens failed ({'; '.join(errors)})")
+    raise RuntimeError(f"running the model on 2 x {tokens} tokens failed ({'; '.join(errors)})")
 
 
 def trace_block_plan(model: nn.Module, stack: DecoderStack) -> dict[str, str]:
-    """The style of each projection of a block, by its name inside the block, from one forward pass on 8 tokens."""
+    """The style of each projection of a block, by its name inside the block, from one forward pass on 2 x 8 tokens."""
     block = stack.blocks[0]
     linears = {name: module for name, module in block.named_modules() if is_projection(module)}
     provenance = _Provenance()

@@ -28,6 +28,7 @@ from lightdist.expert_parallel import (
     expert_mesh,
     find_experts,
 )
+from lightdist.kv_cache import without_kv_cache_in_training
 from lightdist.layout import ParallelLayout
 from lightdist.layout_probe import probe_layouts
 from lightdist.listed_experts import apply_listed_expert_parallel
@@ -395,7 +396,7 @@ def _parallelize_traced(
         stage_count=count,
         model_paths=[""],
         tied=tied,
-        traced_input=TracedInput(model.forward, example, config.microbatches_run(pp)),
+        traced_input=TracedInput(model.forward, example),
     )
 
 
@@ -496,6 +497,7 @@ def _recompute_and_compile(blocks: Iterable[nn.Module], config: ParallelConfig) 
         apply_activation_checkpointing(blocks, mode=config.activation_checkpointing)
     if config.compile:
         for block in blocks:
+            without_kv_cache_in_training(block)
             block.compile()
 
 

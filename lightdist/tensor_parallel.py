@@ -49,8 +49,9 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lightdist.dataflow import trace_block_plan
+from lightdist.dataflow import tensors_in, trace_block_plan
 from lightdist.expert_parallel import moe_blocks
+from lightdist.kv_cache import without_kv_cache
 from lightdist.pipeline.tied import tied_names
 from lightdist.structure import DecoderStack, in_features, is_conv1d, is_projection, out_features, within
 
@@ -426,19 +427,20 @@ def _styles(*, sequence_parallel: bool, loss_parallel: bool) -> dict[TensorParal
 
 def _global_styles(*, sequence_parallel: bool) -> dict[TensorParallelStyle, ParallelStyle]:
     """The projections of a unit on global shapes: outputs stay DTensors, so the unit's code sees unsplit sizes and
-    torch places each op. Fused projections need no reordering: a DTensor's split cuts by global position."""
+    torch places each op. Fused projections need no reordering: a DTensor's split cuts by global position.
+
+    The row-parallel output stays a DTensor too, whatever the unit does with it (BLOOM adds the residual inside its
+    attention and MLP): a local tensor meeting a DTensor runs forward, but its gradient comes back a DTensor, which
+    ``to_local``'s backward refuses. The unit's outputs are made local at its end instead (``_run_on_global_shapes``).
+    """
     column = Colwise(use_local_output=False)
     stream = Shard(1) if sequence_parallel else Replicate()
     return {
         "colwise": column,
         "qkv": column,
         "gate_up": column,
-        "rowwise": Rowwise(output_layouts=stream, use_local_output=not sequence_parallel),
+        "rowwise": Rowwise(output_layouts=stream, use_local_output=False),
     }
-
-
-# Where Hugging Face attention gets the key/value cache it appends to (``cache.update(keys, values, layer)``).
-_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 def _run_on_global_shapes(module: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -446,7 +448,12 @@ def _run_on_global_shapes(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     which index) become replicated DTensors, so that backward meets DTensors too, and those it makes count as
     replicated. On CPU, attention takes SDPA's math kernel: torch places DTensor ops for the fused CPU kernel nowhere.
     A key/value cache is not passed on: a training step never reads it back, and its plain tensors cannot take the
-    DTensor keys (Hugging Face models build one on every forward unless ``use_cache=False``)."""
+    DTensor keys (Hugging Face models build one on every forward unless ``use_cache=False``).
+
+    A caller given no DTensor (without sequence parallelism) gets plain tensors back, as the fast layout gives it: each
+    replicated output becomes its local copy, a tensor of its own for residual code that adds into it in place. An
+    output split across the ranks (BLOOM's attention probabilities, split by head) stays a DTensor rather than cost an
+    all-gather on every call."""
     forward = module.forward
     on_cpu = tp_mesh.device_type == "cpu"
 
@@ -457,12 +464,20 @@ def _run_on_global_shapes(module: nn.Module, tp_mesh: DeviceMesh) -> None:
 
     @functools.wraps(forward)
     def global_forward(*args, **kwargs):
-        kwargs.update((name, None) for name in _CACHE_ARGUMENTS if callable(getattr(kwargs.get(name), "update", None)))
+        args, kwargs = without_kv_cache(args, kwargs, training_only=False)
+        given_dtensors = any(isinstance(x, DTensor) for x in tensors_in((args, kwargs)))
         args, kwargs = apply_to_collection((args, kwargs), Tensor, replicated, allow_frozen=True)
         with implicit_replication(), sdpa_kernel(SDPBackend.MATH) if on_cpu else contextlib.nullcontext():
-            return forward(*args, **kwargs)
+            output = forward(*args, **kwargs)
+        if given_dtensors:
+            return output
+        return apply_to_collection(output, DTensor, _local_if_replicated, allow_frozen=True)
 
     module.forward = global_forward
+
+
+def _local_if_replicated(x: DTensor) -> Tensor:
+    return x.to_local().clone() if all(placement.is_replicate() for placement in x.placements) else x
 
 
 def discover_plan(
@@ -519,6 +534,10 @@ def apply_tensor_parallel(
     every_name = model.named_parameters(remove_duplicate=False)
     tied = [(owner, user) for owner, user in tied_names(model.named_parameters(), every_name) if owner != user]
     units = {name: (layouts or {}).get(in_block, "fast") for name, in_block in block_units(stack, plan).items()}
+    # A unit inside a global one (OPT's attention inside its block) runs global too: it is called with DTensors, and
+    # local outputs would reach the outer code's backward as DTensor gradients, which ``to_local`` refuses.
+    global_units = [name for name, layout in units.items() if layout == "global"]
+    units = {name: "global" if _inside(name, global_units) else layout for name, layout in units.items()}
     parallel_plan = parallel_styles(
         model, plan, units, tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
     )
@@ -608,10 +627,15 @@ def parallel_styles(
     modules = dict(model.named_modules())
     styles = _styles(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     global_styles = _global_styles(sequence_parallel=sequence_parallel)
+    global_units = [name for name, layout in units.items() if layout == "global"]
 
     def style_of(name: str, style: TensorParallelStyle) -> ParallelStyle:
         if units.get(_parent(name)) == "global" and style in global_styles:
             return global_styles[style]
+        if style == "replicate" and any(_within_unit(name, unit) for unit in global_units):
+            # Code on DTensors, such as a learned bias per head that the unit looks up with plain positions (T5's):
+            # a local output would reach backward as a DTensor gradient, which ``to_local`` refuses.
+            return ReplicateParallel(local_outputs=False)
         return FusedColwiseParallel(_fused_parts(modules, name, style)) if style in _FUSED else styles[style]
 
     parallel_plan = {name: style_of(name, style) for name, style in plan.items()}
@@ -632,10 +656,51 @@ def prepare_units(
             _run_on_global_shapes(unit, tp_mesh)
             continue
         counts = attention_heads(unit)
-        if layout == "adapted" and counts is not None:
-            _adapt_to_rank(unit, counts, _query_width(modules, plan, name, counts), tp)
+        if counts is not None:
+            _split_per_head_tensors(unit, counts.heads, tp_mesh)
+            if layout == "adapted":
+                _adapt_to_rank(unit, counts, _query_width(modules, plan, name, counts), tp)
         for module in _own_modules(unit):
             _set_heads_per_rank(module, attention_heads(module), tp)
+
+
+def _split_per_head_tensors(unit: nn.Module, heads: int, tp_mesh: DeviceMesh) -> None:
+    """Where a unit runs on this rank's heads (fast, adapted), the tensors it takes and gives with a slice per head.
+
+    In: a float tensor laid out as ``bmm``'s attention scores, ``(batch * heads, queries, keys)``, built outside the
+    unit from the global head count (BLOOM's ALiBi biases; the batch is that of its first tensor), is cut
+    to this rank's heads, as Megatron-DeepSpeed cuts BLOOM's. Where it needs a gradient, each rank's is its heads'
+    share, summed over the ranks (``Partial``). A tensor of the batch leads with the batch alone; one of every batch
+    (MPT's ``(heads, 1, keys)``) leads with the heads alone, which the check tells apart: it runs a batch of two.
+    Out: a tensor laid out ``(batch, heads, ...)`` with this rank's heads (the attention probabilities BLOOM returns
+    beside its output) becomes a DTensor split by head: the unsplit shape, no collective, whole with ``full_tensor``.
+    """
+    rank, tp = tp_mesh.get_local_rank(), tp_mesh.size()
+    own = slice(rank * heads // tp, (rank + 1) * heads // tp)
+
+    def cut_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        tensors = tensors_in((args, kwargs))
+        if not tensors:
+            return None
+        per_head = tensors[0].shape[0] * heads
+
+        def own_heads(x: Tensor) -> Tensor:
+            if not _is_local(x) or not x.is_floating_point() or x.ndim != 3 or x.shape[0] != per_head:
+                return x
+            x = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+            return x.unflatten(0, (-1, heads))[:, own].flatten(0, 1)
+
+        return apply_to_collection((args, kwargs), Tensor, own_heads, allow_frozen=True)
+
+    def split_by_head(x: Tensor) -> Tensor:
+        if not _is_local(x) or x.ndim != 4 or x.shape[1] != heads // tp:
+            return x
+        return DTensor.from_local(x, tp_mesh, [Shard(1)], run_check=False)
+
+    unit.register_forward_pre_hook(cut_inputs, with_kwargs=True)
+    unit.register_forward_hook(
+        lambda module, args, output: apply_to_collection(output, Tensor, split_by_head, allow_frozen=True)
+    )
 
 
 def _own_modules(unit: nn.Module) -> list[nn.Module]:
@@ -683,6 +748,11 @@ def _parent(name: str) -> str:
 
 def _inside(name: str, parents: list[str]) -> bool:
     return any(within(name, parent) for parent in parents)
+
+
+def _within_unit(name: str, unit: str) -> bool:
+    """``within``, for the layout check too, where the unit is the root module, named ``""``."""
+    return not unit or within(name, unit)
 
 
 def _set_heads_per_rank(source: object, counts: AttentionHeads | None, tp: int) -> None:

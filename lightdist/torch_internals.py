@@ -7,6 +7,7 @@ that test, naming the name, rather than in a user's run. Tested with torch 2.11 
 Each name is here because torch has no public way to do the same yet:
 
 - ``torch.distributed.checkpoint._fsspec_filesystem``: DCP's reader and writer for fsspec URLs (s3://, gs://).
+- ``torch.distributed.checkpoint._async_process_executor``: what DCP's checkpoint process runs first.
 - ``torch._subclasses.fake_tensor``, ``torch.testing._internal.distributed.fake_pg``: shapes without memory, and a
   process group without processes, for the planner and ``lightdist plan``.
 - ``torch.distributed.distributed_c10d``: a group's timeout.
@@ -18,13 +19,17 @@ Each name is here because torch has no public way to do the same yet:
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.checkpoint._async_process_executor import _AsyncCheckpointProcess
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from lightdist.quiet import silence_known_noise
 
 __all__ = [
     "SUBCLASS_PRIVATES",
@@ -33,6 +38,7 @@ __all__ = [
     "FsspecReader",
     "FsspecWriter",
     "is_view",
+    "quiet_checkpoint_processes",
     "set_group_timeout",
 ]
 
@@ -51,3 +57,23 @@ def set_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
 def is_view(tensor: Tensor) -> bool:
     """Whether ``tensor`` is a view of another tensor's memory."""
     return tensor._base is not None
+
+
+# torch's own first function of the checkpoint process, kept before quiet_checkpoint_processes replaces it.
+_checkpoint_process_main = _AsyncCheckpointProcess._checkpointing_subprocess
+
+
+def quiet_checkpoint_processes() -> None:
+    """DCP's checkpoint process, which torch starts per rank by spawn, installs lightdist's filters before it logs.
+
+    It logs each step of its start and every save request on the root logger, at INFO. Spawned, it inherits no
+    filters, and imports only the script that started the rank, not what that script imports in ``main()``: without
+    this, its lines show wherever the script does not import lightdist as it loads. Its first function is torch's
+    own, called from lightdist's, which the process imports by name (and with it ``lightdist/quiet.py``).
+    """
+    _AsyncCheckpointProcess._checkpointing_subprocess = staticmethod(_quiet_checkpoint_process)
+
+
+def _quiet_checkpoint_process(*args: Any) -> None:
+    silence_known_noise()
+    _checkpoint_process_main(*args)

@@ -36,12 +36,15 @@ def sequences_and_length(batch: Any) -> tuple[int, int]:
     """How many sequences a batch holds and how many tokens of each the model trains on.
 
     A tensor is a batch of token windows, inputs and targets in one: ``(B, T + 1)`` trains on ``T`` tokens each. A
-    mapping holds ``input_ids`` of shape ``(B, T)``, as Hugging Face collators make them.
+    mapping holds ``input_ids`` of shape ``(B, T)``, as Hugging Face collators make them; a tuple or list, inputs
+    ``(B, T)`` first, as a ``TensorDataset`` of inputs and targets yields them.
     """
     if isinstance(batch, Tensor) and batch.dim() == 2:
         return batch.shape[0], batch.shape[1] - 1
     if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), Tensor):
         return tuple(batch["input_ids"].shape[:2])
+    if isinstance(batch, list | tuple) and batch and isinstance(batch[0], Tensor) and batch[0].dim() == 2:
+        return tuple(batch[0].shape)
     raise ValueError(
         f"TrainingMonitor cannot tell the tokens in a batch of type {type(batch).__name__}. Pass "
         "TrainingMonitor(batch_shape_fn=...), a function from a batch to (sequences, tokens per sequence)."

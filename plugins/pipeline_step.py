@@ -43,8 +43,9 @@ from torch.profiler import record_function
 from torchmetrics import Metric
 
 from lightdist.parallelize import ParallelConfig, Parallelized
+from lightdist.pipeline.microbatches import cut_batch
 from lightdist.pipeline.schedules import SCHEDULES
-from lightdist.pipeline.structural import ModelCall
+from lightdist.pipeline.structural import MicrobatchCalls, ModelCall
 from lightdist.pipeline.tied import TiedGradients, tied_gradients
 from lightdist.plugins.lightning_internals import data_source
 from lightdist.plugins.metric_sync import load_metric_states, metric_states, metrics_of
@@ -226,6 +227,7 @@ class PipelineStep:
         )
         self._step: Callable[..., Any] | None = None  # the user's step, per microbatch, as the loss
         self._step_for_input: Callable[..., Any] | None = None  # the step run only to learn the model's input
+        self._microbatches: list[Any] = []  # the step's batch, cut
         self._logged: dict[str, list] = defaultdict(list)
         self._logged_metrics: dict[str, str] = {}  # logged name -> module path of the torchmetrics metric logged
         self._log_options: dict[str, dict] = {}
@@ -305,22 +307,37 @@ class PipelineStep:
         return shared[0]
 
     def _run(self, run: Callable[..., Any], batch: Any, losses: list[Tensor], *, return_outputs: bool = False) -> Any:
-        """``run`` (the schedule's step or eval) on ``batch``, whose model call the user's step reveals.
+        """``run`` (the schedule's step or eval) on ``batch``, cut into microbatches by lightdist, whatever its form.
 
-        The call's arguments reach every stage (the first only, when traced), cut into microbatches: tensors along
-        their first dimension.
+        The user's step runs on each microbatch up to its model call, whose arguments enter the first stage (every
+        stage, when cut by structure); on the last stage it runs on the same microbatch again as the loss. torch's
+        schedules cut only tensors, so they are handed each microbatch's index to cut.
         """
-        call = self._model_call(batch)
-        self._called = call.path
-        sizes: set[int] = set()
-        apply_to_collection(call, Tensor, lambda tensor: sizes.add(tensor.shape[0] if tensor.dim() else 0))
-        if len(sizes) != 1 or 0 in sizes:
-            raise ValueError(
-                "Pipeline parallelism cuts every tensor your step passes to the model into microbatches along its "
-                f"first dimension, but the call's tensors have first dimensions {sorted(sizes)}. Pass the model "
-                "per-example tensors with the batch first, e.g. `self(tokens, attention_mask)`."
+        self._microbatches = cut_batch(batch, self.microbatches)
+        calls = [self._model_call(microbatch) for microbatch in self._microbatches]
+        self._called = calls[0].path
+        self._check_sequence_shards(calls[0])
+        index = torch.arange(self.microbatches)
+        if self.traced_input is None:
+            inputs, stage_kwargs = (), {"lightdist_model_calls": MicrobatchCalls(calls), "lightdist_microbatch": index}
+        else:  # checked on every rank, so that each raises alike; torch 2.11 takes them on the first stage only
+            inputs, stage_kwargs = self.traced_input([(call.args, call.kwargs) for call in calls]), {}
+            inputs = inputs if self.first else ()
+        self.setting_up_stages = True
+        try:
+            return run(
+                *inputs,
+                **stage_kwargs,
+                target=index if self.last else None,
+                losses=losses if self.last else None,
+                return_outputs=return_outputs,
             )
-        (batch_size,) = sizes
+        finally:
+            self._step = self._step_for_input = None
+            self._microbatches = []
+            self.setting_up_stages = False
+
+    def _check_sequence_shards(self, call: ModelCall) -> None:
         lengths: set[int] = set()
         apply_to_collection(call, Tensor, lambda tensor: lengths.add(tensor.shape[1]) if tensor.dim() > 1 else None)
         if uneven := sorted(length for length in lengths if length % self.sequence_shards):
@@ -331,31 +348,10 @@ class PipelineStep:
                 f"Call it with sequences of a multiple of {shards} (e.g. the window's first T tokens as inputs), "
                 "or pass sequence_parallel=False."
             )
-        if batch_size % self.microbatches:
-            raise ValueError(
-                f"microbatches={self.microbatches} does not divide the batch of {batch_size} on each "
-                "data-parallel rank. Choose microbatches that divide the per-rank batch size."
-            )
-        if self.traced_input is None:
-            inputs, stage_kwargs = (), {"lightdist_model_call": call}
-        else:  # checked on every rank, so that each raises alike; torch 2.11 takes them on the first stage only
-            inputs, stage_kwargs = self.traced_input((call.args, call.kwargs)), {}
-            inputs = inputs if self.first else ()
-        self.setting_up_stages = True
-        try:
-            return run(
-                *inputs,
-                **stage_kwargs,
-                target=batch if self.last else None,
-                losses=losses if self.last else None,
-                return_outputs=return_outputs,
-            )
-        finally:
-            self._step = self._step_for_input = None
-            self.setting_up_stages = False
 
-    def loss(self, output: Any, microbatch: Any) -> Tensor:
-        """The schedule's ``loss_fn`` on the last stage: the user's step, its model call answered with ``output``."""
+    def loss(self, output: Any, microbatch: Tensor) -> Tensor:
+        """The schedule's ``loss_fn`` on the last stage: the user's step on the microbatch of index ``microbatch``,
+        its model call answered with ``output``."""
         if self._step is None:  # predicting: the schedule computes outputs only
             return torch.zeros((), device=self.module.device)
         whole = self._whole_output(output)
@@ -363,8 +359,16 @@ class PipelineStep:
             self.clock.timing("busy"),
             self._calling_user_step(lambda *args, **kwargs: whole, leave_no_trace=self.setting_up_stages),
         ):
-            result = self._step(microbatch)
-        return (result["loss"] if isinstance(result, Mapping) else result) * self._loss_scale
+            result = self._step(self._microbatches[int(microbatch)])
+        loss = result["loss"] if isinstance(result, Mapping) else result
+        if loss is not None:
+            return loss * self._loss_scale
+        if torch.is_grad_enabled():
+            raise ValueError(
+                f"{type(self.module).__name__}'s training step returned no loss. Under a pipeline it runs on every "
+                "microbatch as the schedule's loss, so it must return the loss (or a dict with a 'loss'), every time."
+            )
+        return torch.zeros((), device=self.module.device)  # a validation or test step that only logs
 
     def _ending_setup(self, forward_one_chunk: Callable[..., Any]) -> Callable[..., Any]:
         @wraps(forward_one_chunk)
@@ -500,5 +504,6 @@ def example_model_call(module: LightningModule, microbatches: int) -> tuple[tupl
     batch, _, _ = next(iter(CombinedLoader(data_source(loop).dataloader(), "sequential")))
     batch = batch_on_device(module, batch, next(module.parameters()).device)
     step = getattr(type(module), step_name)
-    call = model_call_of(module, lambda whole: step(module, whole, 0), batch, metrics_of(module), [""])
-    return apply_to_collection((call.args, call.kwargs), Tensor, lambda t: t[: max(len(t) // microbatches, 1)])
+    first = cut_batch(batch, microbatches)[0]
+    call = model_call_of(module, lambda microbatch: step(module, microbatch, 0), first, metrics_of(module), [""])
+    return call.args, call.kwargs

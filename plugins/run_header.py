@@ -88,7 +88,8 @@ def _planned_memory(strategy: ParallelStrategy, config: ParallelConfig) -> tuple
             config=config,
         )
     except Exception as error:  # the header must not stop a run: no seq_len and batch_size, a model it cannot trace
-        return None, str(error).splitlines()[0][:120]
+        # The first line whole, which says what to add: the rest may list every module the planner saw.
+        return None, (str(error) or type(error).__name__).splitlines()[0]
     return estimate, ""
 
 

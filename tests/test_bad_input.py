@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 
 from lightdist.models import Llama, TokenDataModule
-from lightdist.pipeline.structural import ModelCall, StageModel, keep_stages
+from lightdist.pipeline.structural import MicrobatchCalls, ModelCall, StageModel, keep_stages
 from lightdist.plugins import ParallelStrategy
 from lightdist.plugins.metric_sync import refuse_metrics_on_meta
 from lightdist.structure import find_decoder_stack
@@ -128,7 +128,7 @@ PIPELINES_THAT_CANNOT_BE_CUT_OR_FED = {
     "microbatches": (
         {},
         {"microbatches": 3},
-        r"microbatches=3 does not divide the batch of 4 on each data-parallel rank",
+        r"microbatches=3 does not divide the batch of 4 examples on each data-parallel rank",
     ),
     "split": (
         {},
@@ -170,27 +170,36 @@ def fit_labels_model_in_pp2_tp2() -> None:
     trainer.fit(MODELS["zoo_hf_llama_labels"](learning_rate=1e-3, warmup_steps=2), datamodule=data)
 
 
-class _SharedMaskLlama(Llama):
-    """Passes the model a mask without a batch dimension, which cannot be cut into microbatches."""
+class _PackedLlama(Llama):
+    """Reads a batch of packed sequences: tokens, and the offsets where each document starts, which have rows of their
+    own rather than one per example."""
 
-    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return super().forward(tokens) * mask[None, :, None]
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return self(batch, torch.ones(batch.shape[1])).mean()
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(batch["tokens"]).mean()
 
 
-def fit_shared_mask_in_a_pipeline() -> None:
+def fit_packed_sequences_in_a_pipeline() -> None:
     trainer = Trainer(accelerator="cpu", devices=2, strategy=ParallelStrategy(pipeline_parallel_size=2), max_steps=1)
-    trainer.fit(
-        _SharedMaskLlama("tiny"), train_dataloaders=DataLoader(torch.zeros(4, 16, dtype=torch.long), batch_size=4)
+    packed = DataLoader(
+        torch.zeros(4, 16, dtype=torch.long),
+        batch_size=4,
+        collate_fn=lambda windows: {"tokens": torch.stack(windows), "offsets": torch.tensor([0, 5, 9, 12, 16])},
     )
+    trainer.fit(_PackedLlama("tiny"), train_dataloaders=packed)
 
 
 @pytest.mark.multirank
-def test_pipeline_needs_model_arguments_with_the_batch_first(errors_on_two_ranks: dict[str, str]) -> None:
-    message = r"the call's tensors have first dimensions \[4, 16\]. Pass the model"
-    assert re.search(message, errors_on_two_ranks["shared_mask"])
+def test_pipeline_names_what_of_the_batch_it_cannot_cut(errors_on_two_ranks: dict[str, str]) -> None:
+    message = r"batch\['offsets'\] has 5 rows where the batch has 4 examples, so pipeline parallelism cannot tell"
+    assert re.search(message, errors_on_two_ranks["packed_sequences"])
+
+
+def _one_microbatch_calling_with(tokens: torch.Tensor) -> dict:
+    """A stage's keyword arguments for a step of one microbatch, which calls the model with ``tokens``."""
+    return {
+        "lightdist_model_calls": MicrobatchCalls([ModelCall("", (tokens,), {})]),
+        "lightdist_microbatch": torch.zeros(1),
+    }
 
 
 def test_pipeline_refuses_blocks_that_pass_two_streams_on() -> None:
@@ -200,7 +209,7 @@ def test_pipeline_refuses_blocks_that_pass_two_streams_on() -> None:
     with pytest.raises(
         ValueError, match=r"_TwoStreamBlock returns 2 tensors shaped like its hidden states \(2, 4, 8\)"
     ) as raised_error:
-        first_stage(lightdist_model_call=ModelCall("", (torch.zeros(2, 4, dtype=torch.long),), {}))
+        first_stage(**_one_microbatch_calling_with(torch.zeros(2, 4, dtype=torch.long)))
     assert "cut the stages with torch's tracer, which hands on every value (pipeline_tracer=True)" in str(
         raised_error.value
     )
@@ -238,7 +247,7 @@ def test_pipeline_needs_blocks_that_take_the_hidden_states_first() -> None:
     with pytest.raises(
         ValueError, match=r"calls its blocks by keyword only. Call them with the hidden states first"
     ) as raised_error:
-        second_stage(received, lightdist_model_call=ModelCall("", (torch.zeros(2, 4, dtype=torch.long),), {}))
+        second_stage(received, **_one_microbatch_calling_with(torch.zeros(2, 4, dtype=torch.long)))
     assert "(pipeline_tracer=True)" in str(raised_error.value)
 
 
@@ -347,7 +356,7 @@ def errors_on_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
         for name, (config, strategy, _) in PIPELINES_THAT_CANNOT_BE_CUT_OR_FED.items()
     }
     fits.update(
-        shared_mask=(fit_shared_mask_in_a_pipeline, ()),
+        packed_sequences=(fit_packed_sequences_in_a_pipeline, ()),
         zero1_one_weight=(fit_one_weight_on_two_zero1_ranks, ()),
         global_batch_of_three=(fit_a_global_batch_of_three_on_two_ranks, ()),
         fewer_wider_blocks=(fit_llama, ({"n_layers": 3, "ffn_dim": 192}, PIPELINE, checkpoint)),

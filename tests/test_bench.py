@@ -11,23 +11,36 @@ import pytest
 BENCH = Path(__file__).parents[1] / "bench" / "throughput.py"
 
 
-def test_throughput_benchmark_prints_the_runs_asked_for_and_a_profile(tmp_path: Path) -> None:
+def test_throughput_benchmark_prints_the_runs_asked_for_a_failed_one_among_them_and_their_profiles(
+    tmp_path: Path,
+) -> None:
     options = ["--preset", "tiny", "--seq-len", "32", "--steps", "3", "--warmup", "1", "--profile", "ops.txt"]
+    # cpu_offload is refused on the CPU: its run fails, and the runs after it still run.
+    runs = ["plain", "hf-plain", "lightning", "lightdist-offload", "lightdist", "hf-lightdist"]
     run = subprocess.run(
-        [sys.executable, str(BENCH), *options, "--runs", "plain", "lightning", "lightdist"],
+        [sys.executable, str(BENCH), *options, "--runs", *runs, "--profile-runs", "hf-plain", "lightdist"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    rows = [line for line in run.stdout.splitlines() if line.endswith("x")]
+    rows = [line for line in run.stdout.splitlines() if line.endswith("x") or " failed: " in line]
     assert [row.split("  ")[0] for row in rows] == [
         "plain PyTorch",
+        "HF Llama: plain PyTorch",
         "Lightning ModelParallelStrategy (FSDP2)",
+        "lightdist ParallelStrategy (ZeRO-3, cpu_offload)",
         "lightdist ParallelStrategy (ZeRO-3)",
+        "HF Llama: lightdist (ZeRO-3)",
     ]
-    assert "aten::mm" in (tmp_path / "ops.txt").read_text()
+    assert "failed: ValueError: cpu_offload=True" in rows[3]
+    profiles = (tmp_path / "ops.txt").read_text()
+    assert [line for line in profiles.splitlines() if line.startswith("== ")] == [
+        "== HF Llama: plain PyTorch",
+        "== lightdist ParallelStrategy (ZeRO-3)",
+    ]
+    assert profiles.count("aten::mm") == 2
 
 
 def test_pipeline_bubble_benchmark_counts_microbatches_in_flight(tmp_path: Path) -> None:

@@ -124,11 +124,40 @@ CASES = {
         "zoo_hf_falcon_tp2_multi_query_global_in_place_residual": Case(
             strategy=dict(TP2_NO_SP, zero_stage=3), model="zoo_hf_falcon_logits"
         ),
+        # ALiBi biases built from all the heads, cut to each rank's; the residual added inside attention and MLP
+        "hf_bloom_tp2_alibi_per_head_clip": Case(
+            strategy=dict(TP2, zero_stage=3), model="hf_bloom", gradient_clip_val=0.1
+        ),
         "zoo_hf_mistral_pp2_logits": Case(strategy=dict(PP2), model="zoo_hf_mistral_logits"),
         "zoo_hf_gemma_pp2_labels": Case(strategy=dict(PP2), model="zoo_hf_gemma_labels"),
         # OPT's learned positions are called with the attention mask and position_ids on every stage
         "zoo_hf_opt_pp2_learned_positions_labels": Case(strategy=dict(PP2), model="zoo_hf_opt_labels"),
         "zoo_hf_falcon_pp2_logits": Case(strategy=dict(PP2), model="zoo_hf_falcon_logits"),
+        # The batches people's loaders make (tests/training.py LoaderBatches), shuffled by the sampler Lightning adds:
+        # Hugging Face's collator's dict passed whole to the model (`self.model(**batch)`), a TensorDataset's (x, y)
+        "zoo_hf_llama_pp2_collated_validating_clip": Case(
+            strategy=dict(PP2), model="zoo_hf_llama_finetuning", data="collated", validate=True, gradient_clip_val=0.1
+        ),
+        "zoo_hf_gpt2_pp2_collated_interleaved_accumulate": Case(
+            strategy=dict(PP2, pipeline_schedule="interleaved_1f1b", microbatches=4),
+            model="zoo_hf_gpt2_finetuning",
+            data="collated",
+            accumulate_grad_batches=2,
+        ),
+        "zoo_nanogpt_pp2_pairs": Case(
+            strategy=dict(PP2, microbatches=4), model="zoo_nanogpt_pairs", data="pairs", seq_len=16
+        ),
+        "zoo_hf_llama_tp2_collated": Case(strategy=dict(TP2), model="zoo_hf_llama_finetuning", data="collated"),
+        **{
+            f"zoo_hf_llama_zero3_collated_{speedup}": Case(
+                strategy=dict(zero_stage=3, **options), model="zoo_hf_llama_finetuning", data="collated"
+            )
+            for speedup, options in {
+                "full_checkpointing": dict(activation_checkpointing="full"),
+                "selective_checkpointing": dict(activation_checkpointing="selective"),
+                "compiled": dict(compile=True),
+            }.items()
+        },
     },
     4: {
         "zero2_clip": Case(strategy=dict(zero_stage=2), gradient_clip_val=0.1),
@@ -182,6 +211,18 @@ CASES = {
         "zoo_nanogpt_tp2_dp2_global_attention_without_sequence_parallel": Case(
             strategy=dict(TP2_NO_SP, zero_stage=3), model="zoo_nanogpt"
         ),
+        "zoo_hf_llama_pp2_tp2_collated": Case(
+            strategy=dict(PP2, **TP2), model="zoo_hf_llama_finetuning", data="collated"
+        ),
+        "zoo_hf_mixtral_pp2_ep2_collated": Case(
+            strategy=dict(PP2, expert_parallel_size=2), model="zoo_hf_mixtral_finetuning", data="collated"
+        ),
+        "zoo_nanogpt_pp2_dp2_pairs_selective_checkpointing": Case(
+            strategy=dict(PP2, activation_checkpointing="selective"),
+            model="zoo_nanogpt_pairs",
+            data="pairs",
+            seq_len=16,
+        ),
     },
     8: {  # 3D: pp=2 x dp=2 x tp=2
         "3d_clip": Case(strategy=dict(PP2, **TP2), gradient_clip_val=0.1, validate=True),
@@ -199,6 +240,9 @@ CASES = {
             strategy=dict(PP2, **TP2), model="zoo_nanogpt", gradient_clip_val=0.1
         ),
         "zoo_litgpt_3d": Case(strategy=dict(PP2, **TP2), model="zoo_litgpt"),
+        "zoo_hf_llama_3d_collated_validating": Case(
+            strategy=dict(PP2, **TP2), model="zoo_hf_llama_finetuning", data="collated", validate=True
+        ),
     },
 }
 

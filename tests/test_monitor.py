@@ -112,5 +112,6 @@ def test_monitor_refuses_what_it_cannot_use() -> None:
         TrainingMonitor(peak_tflops=-1)
     assert sequences_and_length(torch.zeros(8, 65, dtype=torch.long)) == (8, 64)  # windows: inputs and targets
     assert sequences_and_length({"input_ids": torch.zeros(8, 64, dtype=torch.long)}) == (8, 64)
+    assert sequences_and_length((torch.zeros(8, 64), torch.zeros(8, 64))) == (8, 64)  # a TensorDataset's (x, y)
     with pytest.raises(ValueError, match=r"Pass TrainingMonitor\(batch_shape_fn=...\)"):
-        sequences_and_length([torch.zeros(8, 64)])
+        sequences_and_length([torch.zeros(8)])

@@ -1,11 +1,16 @@
 """What a run prints. Third-party noise is dropped where it comes from, narrowly: the same packages' other messages,
 and a user's own warnings and logs, still show; ``LIGHTDIST_LOG=debug`` shows everything. The progress bar counts
-steps. (The header and a whole run's output: ``tests/test_cli.py``.)"""
+steps. (The header and a whole run's output under the ``lightdist`` command: ``tests/test_cli.py``; under a user's
+own script: here.)"""
 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,3 +119,71 @@ def test_the_progress_bar_counts_steps_toward_max_steps_and_a_users_own_bar_is_l
     assert ours == "RichStepProgressBar" and metrics["step"] == "3/3" and "v_num" not in metrics
     assert description.strip() == "Training"  # not Lightning's "Epoch 0/-2" of a run that ends at max_steps
     assert theirs == "_MyBar" and their_description.startswith("Epoch 0/-2")
+
+
+# A user's own script, as `python train.py` runs it: Lightning's own ModelCheckpoint, saving every step in the
+# background (ParallelStrategy's default), and lightdist imported in the main block only, which the checkpoint process
+# torch spawns per rank never runs. Its module declares no `seq_len` or `batch_size`, so the header says why it has
+# no memory estimate.
+USERS_SCRIPT = """
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+
+class Tiny(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(2))
+
+    def training_step(self, batch, batch_idx):
+        for layer in self.layers:
+            batch = layer(batch)
+        return batch.sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+if __name__ == "__main__":
+    from lightdist.plugins import ParallelStrategy
+
+    trainer = Trainer(
+        strategy=ParallelStrategy(),
+        devices=2,
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath="checkpoints", every_n_train_steps=1)],
+    )
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(torch.ones(8, 2), batch_size=2))
+"""
+
+
+def run_users_script(directory: Path, **environment: str) -> str:
+    """What ``python train.py`` prints, stdout and stderr, run in ``directory`` (made if missing)."""
+    directory.mkdir(exist_ok=True)
+    (directory / "train.py").write_text(USERS_SCRIPT)
+    env = {name: value for name, value in os.environ.items() if name != "LIGHTDIST_LOG"} | environment
+    run = subprocess.run(
+        [sys.executable, "train.py"], cwd=directory, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout + run.stderr
+
+
+@pytest.mark.multirank
+def test_a_users_own_script_prints_no_checkpoint_process_lines_and_the_headers_memory_line_whole(
+    tmp_path: Path,
+) -> None:
+    checkpoint_process = ("checkpoint background process", "checkpoint save request")
+    printed = run_users_script(tmp_path)
+    assert not [line for line in printed.splitlines() if any(noise in line for noise in checkpoint_process)]
+    (memory,) = [line for line in printed.splitlines() if line.startswith("  memory per rank")]
+    # The planner's reason whole, naming both attributes to add; not cut at a width.
+    assert memory.startswith("  memory per rank: not estimated (") and memory.endswith(".)"), memory
+    assert "`seq_len`" in memory and "`batch_size`" in memory, memory
+    printed = run_users_script(tmp_path / "debug", LIGHTDIST_LOG="debug")
+    assert all(noise in printed for noise in checkpoint_process)

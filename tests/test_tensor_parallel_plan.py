@@ -68,6 +68,23 @@ def test_phi3_fused_projections_cut_by_slicing_are_found_in_the_data_flow() -> N
     }
 
 
+def test_bloom_q_k_v_interleaved_per_head_split_as_one_projection_from_the_data_flow() -> None:
+    """BLOOM names no family's layers, and its query_key_value holds q, k and v head by head ([q0 k0 v0 | q1 k1 v1 |
+    ...]): its attention cuts them apart after a view by head, so a plain split by output features gives each rank
+    its heads of all three."""
+    plan = plan_of(MODELS["hf_bloom"]())
+    assert styles_under(plan, "model.transformer.h.0.") == {
+        "model.transformer.h.0.self_attention.query_key_value": "colwise",
+        "model.transformer.h.0.self_attention.dense": "rowwise",
+        "model.transformer.h.0.mlp.dense_h_to_4h": "colwise",
+        "model.transformer.h.0.mlp.dense_4h_to_h": "rowwise",
+        "model.transformer.h.0.input_layernorm": "replicate",
+        "model.transformer.h.0.post_attention_layernorm": "replicate",
+    }
+    assert plan["model.transformer.word_embeddings"] == "vocab"
+    assert plan["model.lm_head"] == "head"  # tied to the embedding
+
+
 def test_explicit_plan_patterns_replace_discovery() -> None:
     plan = plan_of(Llama("tiny"), tp_plan={"model.layers.*.mlp.up_proj": "colwise", "model.lm_head": "head"})
     assert plan["model.layers.3.mlp.up_proj"] == "colwise"

@@ -131,12 +131,14 @@ def test_a_model_neither_cut_can_split_says_what_to_change() -> None:
 
 
 def test_traced_stages_take_the_traced_shape_only() -> None:
-    traced_input = TracedInput(BlocksAsAttributes().forward, ((torch.zeros(2, 8),), {}), microbatches=2)
+    traced_input = TracedInput(BlocksAsAttributes().forward, ((torch.zeros(2, 8),), {}))
+    first, second = torch.zeros(2, 8), torch.ones(2, 8)
 
-    assert traced_input(((torch.zeros(4, 8),), {}))[0].shape == (4, 8)
-    assert traced_input(((), {"tokens": torch.zeros(4, 8)}))[0].shape == (4, 8)  # keywords become positions
+    (joined,) = traced_input([((first,), {}), ((second,), {})])  # the schedule cuts it back into the two
+    torch.testing.assert_close(joined, torch.cat([first, second]))
+    assert traced_input([((), {"tokens": first})])[0].shape == (2, 8)  # keywords become positions
     with pytest.raises(ValueError, match=r"microbatches are \[\(2, 16\)\]. Give every batch one shape"):
-        traced_input(((torch.zeros(4, 16),), {}))
+        traced_input([((torch.zeros(2, 16),), {})])
 
 
 def test_the_tracer_hands_every_stream_to_the_next_stage() -> None:

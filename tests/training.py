@@ -12,7 +12,9 @@ rate. Final weights then agree within 1e-5 at 1e-3, and the gap grows linearly w
 from __future__ import annotations
 
 import json
+import os
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -20,15 +22,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from fsspec import AbstractFileSystem
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningDataModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from lightdist.async_checkpoint import WRITER_THREADS
 from lightdist.models import GPT2, HuggingFaceCausalLM, Llama, MoELlama, TokenDataModule
 from lightdist.models.lm import CausalLM
+from lightdist.pipeline.microbatches import examples_in
 from lightdist.plugins import ModelCheckpoint, ParallelStrategy, TrainingMonitor
 
 import zoo
@@ -233,6 +237,20 @@ MODELS = {
         HuggingFaceCausalLM,
         config=dict(HF_TINY, model_type="opt", ffn_dim=176, word_embed_proj_dim=64, dropout=0.0),
     ),
+    # ALiBi biases built outside the blocks from the global head count, q, k and v interleaved per head in one Linear,
+    # the residual added inside attention and MLP; its own config names (n_layer, n_head), embeddings tied.
+    "hf_bloom": partial(
+        HuggingFaceCausalLM,
+        config=dict(
+            model_type="bloom",
+            vocab_size=64,
+            hidden_size=64,
+            n_layer=2,
+            n_head=4,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        ),
+    ),
     # Third-party model code in LightningModules written as their users write them (tests/zoo.py).
     "moe": partial(MoELlama, "tiny"),
     # The load-balancing loss is over each rank's tokens, so only without it does data parallelism equal one process.
@@ -293,18 +311,16 @@ MODELS = {
         alibi=False,
         **zoo.HF_TINY,
     ),
-    "zoo_hf_gpt2_labels": partial(
-        zoo.HuggingFaceLabels,
-        model_type="gpt2",
-        vocab_size=64,
-        n_embd=64,
-        n_layer=4,
-        n_head=4,
-        n_positions=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
+    "zoo_hf_gpt2_labels": partial(zoo.HuggingFaceLabels, **zoo.HF_TINY_GPT2),
+    # Fine-tuning on the batches people's loaders make (LoaderBatches): the collator's dict into the model's own loss
+    "zoo_hf_llama_finetuning": partial(
+        zoo.HuggingFaceFineTuning, model_type="llama", num_key_value_heads=2, **zoo.HF_TINY
     ),
+    "zoo_hf_gpt2_finetuning": partial(zoo.HuggingFaceFineTuning, **zoo.HF_TINY_GPT2),
+    "zoo_hf_mixtral_finetuning": partial(
+        zoo.HuggingFaceFineTuning, model_type="mixtral", **dict(zoo.HF_TINY_MOE, **zoo.HF_MOE_FAMILIES["mixtral"])
+    ),
+    "zoo_nanogpt_pairs": zoo.NanoGPTOnPairs,
 }
 
 
@@ -338,6 +354,10 @@ class Case:
     shuffle: bool = False  # a parallel run's shuffled order is not the single process's: compare runs in one layout
     validate: bool = False  # after training, trainer.validate: its loss and perplexity must be the single process's
     val_check_interval: int | None = None  # also validate every this many batches while training
+    # The batches: "windows" of tokens (one tensor); as people's loaders make them (LoaderBatches.FORMS)
+    data: str = "windows"
+    # Loader batches in a single process: drawn in the order of this many ranks' samplers (None: a parallel run's)
+    sampled_as_ranks: int | None = None
 
     def reference(self, world_size: int) -> Case:
         """The single-process run that must produce the same numbers as this one on ``world_size`` ranks."""
@@ -355,6 +375,8 @@ class Case:
             precision=self.precision,
             validate=self.validate,
             val_check_interval=self.val_check_interval,
+            data=self.data,
+            sampled_as_ranks=data_parallel_size if self.data in LoaderBatches.FORMS else None,
         )
 
 
@@ -395,7 +417,61 @@ class _CountValidationWindows(Callback):
     pipeline stage."""
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        pl_module.log("val_windows", float(len(batch)), reduce_fx="sum", sync_dist=True)
+        pl_module.log("val_windows", float(examples_in(batch)), reduce_fx="sum", sync_dist=True)
+
+
+class ShardedOrder(Sampler[list[int]]):
+    """The batches of ``batch_size`` that ``ranks`` data-parallel ranks' distributed samplers deal, as Lightning adds
+    them (shuffled for training), joined: a single process draws the parallel run's global batches in its order."""
+
+    def __init__(self, dataset: Dataset, ranks: int, batch_size: int, *, shuffle: bool) -> None:
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        self.samplers = [DistributedSampler(dataset, ranks, rank, shuffle=shuffle, seed=seed) for rank in range(ranks)]
+        self.batch_size = batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        shards = [list(sampler) for sampler in self.samplers]
+        for start in range(0, len(shards[0]), self.batch_size):
+            yield [index for shard in shards for index in shard[start : start + self.batch_size]]
+
+    def __len__(self) -> int:
+        return -(-len(self.samplers[0]) // self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        for sampler in self.samplers:
+            sampler.set_epoch(epoch)
+
+
+class LoaderBatches(LightningDataModule):
+    """Batches as people's loaders make them, from plain DataLoaders to which Lightning adds its distributed sampler:
+    ``"collated"``, Hugging Face's collator over documents of one length (a ``BatchEncoding``); ``"padded"``, over
+    documents of many lengths, padded per batch; ``"pairs"``, a ``TensorDataset``'s ``(inputs, targets)``. With
+    ``sampled_as_ranks``, a single process draws the order that many ranks' samplers deal."""
+
+    FORMS = ("collated", "padded", "pairs")
+
+    def __init__(self, form: str, batch_size: int, seq_len: int, validate: bool, sampled_as_ranks: int | None) -> None:
+        super().__init__()
+        self.form, self.batch_size, self.seq_len = form, batch_size, seq_len
+        self.validate, self.sampled_as_ranks = validate, sampled_as_ranks
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self._dataset(seed=0), shuffle=True)
+
+    def val_dataloader(self) -> DataLoader | list:
+        return self._loader(self._dataset(seed=1), shuffle=False) if self.validate else []
+
+    def _dataset(self, seed: int) -> Dataset:
+        if self.form == "pairs":
+            return zoo.pairs(512, self.seq_len, seed=seed)
+        return zoo.documents(512, padded=self.form == "padded", seed=seed)
+
+    def _loader(self, dataset: Dataset, *, shuffle: bool) -> DataLoader:
+        collate = zoo.language_modelling_collator() if self.form != "pairs" else None
+        if self.sampled_as_ranks is None:
+            return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, collate_fn=collate)
+        order = ShardedOrder(dataset, self.sampled_as_ranks, self.batch_size // self.sampled_as_ranks, shuffle=shuffle)
+        return DataLoader(dataset, batch_sampler=order, collate_fn=collate)
 
 
 def shard_files(ranks: int) -> list[str]:
@@ -451,14 +527,17 @@ def train(
     Trainer (a launcher's cluster environment)."""
     seed_everything(1234, workers=True)
     model = MODELS[case.model](learning_rate=1e-3, warmup_steps=2)
-    data = TokenDataModule(
-        seq_len=case.seq_len,
-        batch_size=case.batch_size if case.global_batch_size is None else None,
-        global_batch_size=case.global_batch_size,
-        shuffle=case.shuffle,
-        val_fraction=0.05 if case.validate else 0.0,
-        synthetic_tokens=65_536,
-    )
+    if case.data in LoaderBatches.FORMS:
+        data = LoaderBatches(case.data, case.batch_size, case.seq_len, case.validate, case.sampled_as_ranks)
+    else:
+        data = TokenDataModule(
+            seq_len=case.seq_len,
+            batch_size=case.batch_size if case.global_batch_size is None else None,
+            global_batch_size=case.global_batch_size,
+            shuffle=case.shuffle,
+            val_fraction=0.05 if case.validate else 0.0,
+            synthetic_tokens=65_536,
+        )
     result = Result()
     trainer = Trainer(
         accelerator=case.accelerator,

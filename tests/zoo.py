@@ -16,11 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import litgpt
+import tokenizers
 import torch
 import torch.nn.functional as F
 import transformers
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+from torch.utils.data import TensorDataset
+
+from lightdist.models.data import ARITHMETIC_ALPHABET, arithmetic_corpus
 
 
 @dataclass
@@ -199,6 +203,18 @@ class NanoGPT(LightningModule):
 
 
 HF_TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4)
+# GPT-2 (Conv1D projections, learned positions, tied embeddings) under its own config names, without dropout.
+HF_TINY_GPT2 = dict(
+    model_type="gpt2",
+    vocab_size=64,
+    n_embd=64,
+    n_layer=4,
+    n_head=4,
+    n_positions=64,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+)
 # Mixture-of-Experts families: 8 experts, 2 per token, each family's own names for the sizes.
 HF_TINY_MOE = dict(
     HF_TINY, num_hidden_layers=2, num_key_value_heads=2, num_experts_per_tok=2, router_aux_loss_coef=0.02
@@ -303,3 +319,73 @@ class LitGPT(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.learning_rate)
+
+
+class HuggingFaceFineTuning(LightningModule):
+    """A Hugging Face causal LM fine-tuned as its examples train it: the collator's batch (``input_ids``,
+    ``attention_mask``, ``labels`` at -100 on padding) passed whole to the model, its loss and perplexity logged,
+    a validation step, the learning rate warmed up by a scheduler Lightning steps every step."""
+
+    def __init__(self, learning_rate: float, warmup_steps: int, **config: object) -> None:
+        super().__init__()
+        self.learning_rate, self.warmup_steps = learning_rate, warmup_steps
+        self.model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+
+    def training_step(self, batch: transformers.BatchEncoding, batch_idx: int) -> Tensor:
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss, sync_dist=True)
+        self.log("train_perplexity", torch.exp(loss), sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: transformers.BatchEncoding, batch_idx: int) -> None:
+        self.log("val_loss", self.model(**batch).loss, sync_dist=True)
+
+    def configure_optimizers(self) -> dict:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.learning_rate)
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / self.warmup_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+
+class NanoGPTOnPairs(NanoGPT):
+    """nanoGPT trained on ``(x, y)`` pairs, as a ``TensorDataset`` of inputs and targets yields them."""
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        logits, loss = self.model(x, y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
+PAD = 63  # a token id the arithmetic corpus never uses
+
+
+def documents(count: int, *, padded: bool, seed: int = 0) -> list[dict[str, list[int]]]:
+    """Tokenized documents as a dataset of them holds them: lines of sums (``417+38=455``), one to three to a
+    document, so their lengths differ (``padded``); or all cut to 16 tokens, so a batch needs no padding."""
+    generator = torch.Generator().manual_seed(seed)
+    corpus = torch.from_numpy(arithmetic_corpus(count * 40, seed=seed).astype("int64"))
+    lines = corpus.tensor_split((corpus == ARITHMETIC_ALPHABET.index("\n")).nonzero().flatten() + 1)
+    found, start = [], 0
+    for _ in range(count):
+        taken = int(torch.randint(1, 4, (), generator=generator)) if padded else 3
+        tokens = torch.cat(lines[start : start + taken])
+        start += taken
+        found.append({"input_ids": (tokens[:24] if padded else tokens[:16]).tolist()})
+    return found
+
+
+def language_modelling_collator() -> transformers.DataCollatorForLanguageModeling:
+    """Hugging Face's collator for causal LM fine-tuning, over a word-level tokenizer of the model's 64 ids made on
+    the spot: pads each batch to its longest document, masks the padding, labels it -100."""
+    vocab = {f"t{token}": token for token in range(64)}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0")), pad_token=f"t{PAD}"
+    )
+    return transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False, pad_to_multiple_of=2)
+
+
+def pairs(count: int, seq_len: int, *, seed: int = 0) -> TensorDataset:
+    """Windows of the corpus as ``(inputs, targets)``: the targets are the inputs shifted by one token."""
+    windows = torch.from_numpy(arithmetic_corpus(count * seq_len + 1, seed=seed).astype("int64"))
+    windows = windows.unfold(0, seq_len + 1, seq_len)[:count]
+    return TensorDataset(windows[:, :-1], windows[:, 1:])

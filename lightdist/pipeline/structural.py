@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -31,6 +32,7 @@ from lightdist.structure import DecoderStack
 from lightdist.torch_internals import is_view
 
 __all__ = [
+    "MicrobatchCalls",
     "ModelCall",
     "StageModel",
     "balanced_split",
@@ -139,6 +141,17 @@ class ModelCall(NamedTuple):
     kwargs: dict
 
 
+@dataclass(frozen=True)
+class MicrobatchCalls:
+    """The model call of each microbatch of a step, in order. torch's schedules cut only tensors, and hand this whole
+    to every stage beside the microbatch's index, which they cut."""
+
+    calls: list[ModelCall]
+
+    def __getitem__(self, microbatch: Tensor) -> ModelCall:
+        return self.calls[int(microbatch)]
+
+
 class _HandedOn:
     """Where a tensor stood in the last stage's output."""
 
@@ -236,19 +249,20 @@ class StageModel(nn.Module):
         blocks[-1].register_forward_hook(self._keep_outgoing)
         self._stop_hook_due = not last
 
-    def forward(self, *incoming: Tensor, lightdist_model_call: ModelCall) -> Any:
-        """The called module's forward on ``lightdist_model_call``'s arguments as this stage; ``incoming``: the
-        previous stage's output."""
+    def forward(self, *incoming: Tensor, lightdist_model_calls: MicrobatchCalls, lightdist_microbatch: Tensor) -> Any:
+        """The called module's forward as this stage, on the arguments of microbatch ``lightdist_microbatch``'s model
+        call; ``incoming``: the previous stage's output."""
         if self._stop_hook_due:
             # Registered at the first forward, after FSDP's and activation checkpointing's hooks on the block: theirs
             # must run on its output before the forward is cut short.
             self.blocks[-1].register_forward_hook(self._stop)
             self._stop_hook_due = False
         self._incoming = incoming[0] if incoming else None
-        called = self.model.get_submodule(lightdist_model_call.path)
+        call = lightdist_model_calls[lightdist_microbatch]
+        called = self.model.get_submodule(call.path)
         try:
             with self.stack.running(list(self.blocks)), self._standing_in():
-                output = type(called).forward(called, *lightdist_model_call.args, **lightdist_model_call.kwargs)
+                output = type(called).forward(called, *call.args, **call.kwargs)
         except _StageEnd:
             output = None
         finally:

@@ -169,24 +169,34 @@ def share_model_buffers(model: nn.Module, stages: list[nn.Module]) -> None:
 
 
 class TracedInput:
-    """The first traced stage's inputs from a model call (args, kwargs): positional, since torch's schedules hand
-    keyword arguments to every stage, and checked against the shapes the trace fixed."""
+    """The first traced stage's inputs from each microbatch's model call (args, kwargs): positional, since torch's
+    schedules hand keyword arguments to every stage, checked against the shapes the trace fixed, and joined along
+    the batch, which the schedule cuts back into the same microbatches."""
 
-    def __init__(self, forward: Callable[..., Any], example: tuple[tuple, dict], microbatches: int) -> None:
-        self.forward, self.microbatches = forward, microbatches
+    def __init__(self, forward: Callable[..., Any], example: tuple[tuple, dict]) -> None:
+        """``example``: one microbatch's model call, as the trace saw it."""
+        self.forward = forward
         self.shapes = [tuple(t.shape) for t in self._positional(example) if isinstance(t, Tensor)]
 
-    def __call__(self, call: tuple[tuple, dict]) -> tuple:
-        inputs = self._positional(call)
-        shapes = [(t.shape[0] // self.microbatches, *t.shape[1:]) for t in inputs if isinstance(t, Tensor)]
-        if shapes != self.shapes:
+    def __call__(self, calls: list[tuple[tuple, dict]]) -> tuple:
+        microbatches = [self._positional(call) for call in calls]
+        for inputs in microbatches:
+            shapes = [tuple(t.shape) for t in inputs if isinstance(t, Tensor)]
+            if shapes != self.shapes:
+                raise ValueError(
+                    f"Pipeline stages cut by tracing run the microbatch shapes the trace saw, {self.shapes}, but this "
+                    f"batch's microbatches are {shapes}. Give every batch one shape (for example drop_last=True in "
+                    "the DataLoader, one sequence length), or keep the blocks in one nn.ModuleList, whose stages take "
+                    "any shape."
+                )
+        if any(t.dim() == 0 for t in microbatches[0] if isinstance(t, Tensor)):
             raise ValueError(
-                f"Pipeline stages cut by tracing run the microbatch shapes the trace saw, {self.shapes}, but this "
-                f"batch's microbatches are {shapes}. Give every batch one shape (for example drop_last=True in the "
-                "DataLoader, one sequence length), or keep the blocks in one nn.ModuleList, whose stages take any "
-                "shape."
+                "Pipeline stages cut by tracing take per-example tensors, cut along their first dimension, but the "
+                "model is called with a scalar tensor. Pass it as a Python number, or keep the blocks in one "
+                "nn.ModuleList, whose stages take any argument."
             )
-        return inputs
+        columns = zip(*microbatches, strict=True)
+        return tuple(torch.cat(column) if isinstance(column[0], Tensor) else column[0] for column in columns)
 
     def _positional(self, call: tuple[tuple, dict]) -> tuple:
         args, kwargs = call
