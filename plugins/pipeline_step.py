@@ -3,15 +3,16 @@
 Lightning calls ``training_step`` once per batch and expects it to return the loss. Under a pipeline the batch is cut
 into microbatches that flow through the stages, and only the last stage sees outputs. So each step:
 
-1. runs the user's step until it calls the model, to learn the model's arguments, on every stage (what it logs or
-   adds to metrics on the way is dropped: the step runs again);
+1. cuts the batch into microbatches, whatever its form, and runs the user's step on each until it calls the model,
+   to learn the model's arguments, on every stage (what it logs or adds to metrics on the way is dropped: the step
+   runs again);
 2. runs torch's schedule: every stage runs the model's forward on those arguments (later stages swap in the
    received activation), and the last stage calls the user's step once per microbatch with the stage output in place
    of the model call, which makes the step's own label shifting and masking the loss;
-3. replays on every rank what the step logged (the mean over microbatches, as one call over the whole batch logs,
-   or the sum, max or min its ``reduce_fx`` asks for), copies the states of the torchmetrics metrics the step
-   updated from the last stage to the others, and returns the mean loss, so ``self.log(sync_dist=True)``, metrics,
-   the progress bar and callbacks see the usual values.
+3. replays on every rank what the step logged (the mean over microbatches, weighted by their shares of the batch's
+   tokens as one call over the whole batch logs it, or the sum, max or min its ``reduce_fx`` asks for), copies the
+   states of the torchmetrics metrics the step updated from the last stage to the others, and returns the batch's
+   loss, so ``self.log(sync_dist=True)``, metrics, the progress bar and callbacks see the usual values.
 
 Gradients come from the schedule's backward; the strategy tells Lightning to skip its own.
 """
@@ -42,6 +43,7 @@ from torch.optim import Optimizer
 from torch.profiler import record_function
 from torchmetrics import Metric
 
+from lightdist.loss_tokens import labelled_tokens, shares
 from lightdist.parallelize import ParallelConfig, Parallelized
 from lightdist.pipeline.microbatches import cut_batch
 from lightdist.pipeline.schedules import SCHEDULES
@@ -228,6 +230,8 @@ class PipelineStep:
         self._step: Callable[..., Any] | None = None  # the user's step, per microbatch, as the loss
         self._step_for_input: Callable[..., Any] | None = None  # the step run only to learn the model's input
         self._microbatches: list[Any] = []  # the step's batch, cut
+        self._shares = torch.ones(microbatches) / microbatches  # each microbatch's share of the batch's loss
+        self._microbatch = 0  # the microbatch whose loss the step computes now
         self._logged: dict[str, list] = defaultdict(list)
         self._logged_metrics: dict[str, str] = {}  # logged name -> module path of the torchmetrics metric logged
         self._log_options: dict[str, dict] = {}
@@ -273,10 +277,11 @@ class PipelineStep:
         return {id(parameter) for parameter in self.tied.parameters()}
 
     def __call__(self, step_name: str, batch: Any, batch_idx: int, *, train: bool, loss_scale: float = 1.0) -> Tensor:
-        """The step's mean loss over the batch. Backward runs on each microbatch's loss divided by the number of
-        microbatches and multiplied by ``loss_scale`` (Lightning's 1/accumulate_grad_batches, which it applies to a
-        loss before its own backward)."""
-        self._loss_scale = loss_scale / self.microbatches
+        """The step's loss over the batch: the microbatches' losses, each weighted by its share of the batch's tokens
+        where they can be counted (``lightdist.loss_tokens``), else alike. Backward runs on each weighted loss
+        multiplied by ``loss_scale`` (Lightning's 1/accumulate_grad_batches, which it applies to a loss before its own
+        backward)."""
+        self._loss_scale = loss_scale
         step = getattr(type(self.module), step_name)
         self._step = lambda microbatch: step(self.module, microbatch, batch_idx)
         updates = {name: metric.update_count for name, metric in self.metrics.items()}
@@ -316,6 +321,10 @@ class PipelineStep:
         self._microbatches = cut_batch(batch, self.microbatches)
         calls = [self._model_call(microbatch) for microbatch in self._microbatches]
         self._called = calls[0].path
+        tokens = [
+            self._loss_tokens(microbatch, call) for microbatch, call in zip(self._microbatches, calls, strict=True)
+        ]
+        self._shares = shares(tokens, self.module.device)
         self._check_sequence_shards(calls[0])
         index = torch.arange(self.microbatches)
         if self.traced_input is None:
@@ -359,10 +368,11 @@ class PipelineStep:
             self.clock.timing("busy"),
             self._calling_user_step(lambda *args, **kwargs: whole, leave_no_trace=self.setting_up_stages),
         ):
-            result = self._step(self._microbatches[int(microbatch)])
+            self._microbatch = int(microbatch)
+            result = self._step(self._microbatches[self._microbatch])
         loss = result["loss"] if isinstance(result, Mapping) else result
         if loss is not None:
-            return loss * self._loss_scale
+            return loss * self._loss_scale * self._shares[self._microbatch]
         if torch.is_grad_enabled():
             raise ValueError(
                 f"{type(self.module).__name__}'s training step returned no loss. Under a pipeline it runs on every "
@@ -377,6 +387,14 @@ class PipelineStep:
             return forward_one_chunk(*args, **kwargs)
 
         return forward_of_a_microbatch
+
+    def _loss_tokens(self, microbatch: Any, call: ModelCall) -> Tensor | int | None:
+        """The tokens the step's loss on ``microbatch`` averages over: the module's own ``loss_tokens(batch)`` where it
+        has one, else those a Hugging Face causal LM called with ``labels=`` counts; ``None`` where neither tells."""
+        own = getattr(self.module, "loss_tokens", None)
+        if own is not None:
+            return own(microbatch)
+        return labelled_tokens(self.module.get_submodule(call.path), call.kwargs)
 
     def _model_call(self, batch: Any) -> ModelCall:
         step = self._step_for_input or self._step
@@ -394,16 +412,18 @@ class PipelineStep:
         if isinstance(value, Metric):
             self._logged_metrics[name] = next(path for path, metric in self.metrics.items() if metric is value)
         else:
-            self._logged[name].append(torch.as_tensor(value.detach() if isinstance(value, Tensor) else value).float())
+            value = torch.as_tensor(value.detach() if isinstance(value, Tensor) else value).float()
+            self._logged[name].append((self._microbatch, value))
         self._log_options[name] = options
 
     def _share_logs_and_metrics(self, updated: list[str]) -> None:
         """Log on every rank what the last stage's steps logged, combined over microbatches as one call over the
-        whole batch would have logged it (a mean, unless a sum, max or min was asked for), and give every stage
-        the last stage's states of the metrics in ``updated``, so each stage computes and logs what the last does."""
+        whole batch would have logged it (a mean weighted by the microbatches' shares of the loss, unless a sum, max
+        or min was asked for), and give every stage the last stage's states of the metrics in ``updated``, so each
+        stage computes and logs what the last does."""
         shared = [
             {
-                name: _over_microbatches(values, self._log_options[name].get("reduce_fx", "mean")).cpu()
+                name: _over_microbatches(values, self._log_options[name].get("reduce_fx", "mean"), self._shares).cpu()
                 for name, values in self._logged.items()
             },
             self._logged_metrics,
@@ -421,7 +441,8 @@ class PipelineStep:
             self.module.log(name, self.metrics[path], **options[name])
 
 
-# How a batch's value follows from its microbatches' for each ``reduce_fx`` of ``self.log``; the mean otherwise.
+# How a batch's value follows from its microbatches' for each ``reduce_fx`` of ``self.log``; the weighted mean
+# otherwise.
 _OVER_MICROBATCHES = {
     **dict.fromkeys(("sum", torch.sum), torch.sum),
     **dict.fromkeys(("max", torch.max), torch.amax),
@@ -446,8 +467,14 @@ def batch_on_device(module: LightningModule, batch: Any, device: torch.device) -
     return batch
 
 
-def _over_microbatches(values: list[Tensor], reduce_fx: Any) -> Tensor:
-    return _OVER_MICROBATCHES.get(reduce_fx, torch.mean)(torch.stack(values))
+def _over_microbatches(values: list[tuple[int, Tensor]], reduce_fx: Any, shares: Tensor) -> Tensor:
+    """A batch's value from ``values`` logged by the microbatches of the indices they come with."""
+    indices, logged = (list(column) for column in zip(*values, strict=True))
+    logged = torch.stack(logged)
+    if reduce_fx in _OVER_MICROBATCHES:
+        return _OVER_MICROBATCHES[reduce_fx](logged)
+    weights = shares[indices].to(logged.device)
+    return (weights * logged).sum() / weights.sum()
 
 
 def _received_activations_need_gradients(stage: nn.Module, received: tuple[Any, ...]) -> None:

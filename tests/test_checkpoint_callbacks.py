@@ -5,6 +5,7 @@ never a silent start from step 0."""
 
 from __future__ import annotations
 
+import csv
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,7 +15,8 @@ import pytest
 import yaml
 from fsspec import AbstractFileSystem
 from lightning.pytorch import Callback
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 
 import lightdist.plugins
 from lightdist.cli import main
@@ -100,6 +102,53 @@ def test_lightnings_callback_resumes_from_last_on_local_disk_s3_and_gcs(
         assert lightdist.plugins.ShardedCheckpointIO().load_checkpoint(f"{runs[name]}/last.ckpt")["global_step"] == 6, (
             name
         )
+
+
+def fit_keeping_the_best(case: Case, devices: int, workdir: str) -> tuple[float, str]:
+    """``case`` with Lightning's ``ModelCheckpoint`` keeping the checkpoint of the lowest ``val_loss`` under
+    ``workdir/checkpoints``, and its ``LearningRateMonitor`` logging every step's learning rate to a ``CSVLogger``
+    under ``workdir/logs``. Returns the best score and the path the callback kept."""
+    best = ModelCheckpoint(dirpath=f"{workdir}/checkpoints", monitor="val_loss", mode="min", save_top_k=1)
+    logger = CSVLogger(workdir, name="logs")
+    train(case, devices, [best, LearningRateMonitor(logging_interval="step")], logger=logger)
+    return best.best_model_score.item(), best.best_model_path
+
+
+def logged(workdir: Path, metric: str) -> dict[int, float]:
+    """Each step ``metric`` was logged at and its value, from the ``CSVLogger``'s file as a user reads it."""
+    with open(workdir / "logs" / "version_0" / "metrics.csv") as metrics:
+        return {int(row["step"]): float(row[metric]) for row in csv.DictReader(metrics) if row[metric]}
+
+
+@pytest.mark.multirank
+def test_lightnings_best_checkpoint_and_learning_rate_monitor_record_what_one_process_does(tmp_path: Path) -> None:
+    """A Hugging Face Llama fine-tuned on its collator's batches over 2 pipeline stages, validated every 2 steps:
+    Lightning's ``ModelCheckpoint(monitor="val_loss", save_top_k=1)`` keeps the checkpoint of the step one process
+    keeps, with its score, complete; ``LearningRateMonitor`` logs one process's warm-up, step by step."""
+    case = Case(
+        strategy=dict(pipeline_parallel_size=2),
+        model="zoo_hf_llama_finetuning",
+        data="collated",
+        steps=6,
+        validate=True,
+        val_check_interval=2,
+    )
+    parallel, single = tmp_path / "parallel", tmp_path / "single"
+    (score, path), rank_1 = run_ranks(2, fit_keeping_the_best, case, 2, str(parallel))
+    [(single_score, single_path)] = run_ranks(1, fit_keeping_the_best, case.reference(2), 1, str(single))
+
+    assert rank_1 == (score, path)  # both stages' callbacks saw the same val_loss, so they saved together
+    assert score == pytest.approx(single_score, rel=1e-5)
+    assert logged(parallel, "val_loss") == pytest.approx(logged(single, "val_loss"), rel=1e-5)
+    name = Path(single_path).name  # epoch=0-step=N.ckpt, the step of the lowest val_loss
+    assert Path(path).name == name
+    # The validations before it were removed: only the best is left, every rank's shards, its manifest written last.
+    assert listing(fsspec.filesystem("file"), f"file://{parallel / 'checkpoints'}") == {name: checkpoint_files(2)}
+    step = int(name.removesuffix(".ckpt").rsplit("step=", 1)[1])
+    assert lightdist.plugins.ShardedCheckpointIO().load_checkpoint(path)["global_step"] == step
+    # 1e-3 after a warm-up of 2 steps (tests/zoo.py), as the scheduler Lightning steps every step sets it.
+    warm_up = {0: 5e-4, **dict.fromkeys(range(1, case.steps), 1e-3)}
+    assert logged(parallel, "lr-AdamW") == logged(single, "lr-AdamW") == warm_up
 
 
 class RecordLosses(Callback):

@@ -147,6 +147,25 @@ CASES = {
         "zoo_nanogpt_pp2_pairs": Case(
             strategy=dict(PP2, microbatches=4), model="zoo_nanogpt_pairs", data="pairs", seq_len=16
         ),
+        # Documents of many lengths, padded per batch and labelled -100 there: each microbatch's loss weighs by its
+        # share of the batch's labelled tokens, counted from the model's labels or by the module's loss_tokens
+        "zoo_hf_llama_pp2_padded_validating": Case(
+            strategy=dict(PP2), model="zoo_hf_llama_finetuning", data="padded", validate=True
+        ),
+        "zoo_hf_llama_pp2_padded_own_loss_tokens": Case(
+            strategy=dict(PP2, microbatches=4), model="zoo_hf_llama_finetuning_own_loss", data="padded"
+        ),
+        **{
+            f"zoo_hf_{family}_pp2_padded": Case(strategy=dict(PP2), model=f"zoo_hf_{family}_finetuning", data="padded")
+            for family in ("qwen2", "mistral", "phi3", "neox", "opt", "gemma")
+        },
+        "zoo_hf_gpt2_pp2_padded_accumulate_clip": Case(
+            strategy=dict(PP2),
+            model="zoo_hf_gpt2_finetuning",
+            data="padded",
+            accumulate_grad_batches=2,
+            gradient_clip_val=0.1,
+        ),
         "zoo_hf_llama_tp2_collated": Case(strategy=dict(TP2), model="zoo_hf_llama_finetuning", data="collated"),
         **{
             f"zoo_hf_llama_zero3_collated_{speedup}": Case(
@@ -214,6 +233,7 @@ CASES = {
         "zoo_hf_llama_pp2_tp2_collated": Case(
             strategy=dict(PP2, **TP2), model="zoo_hf_llama_finetuning", data="collated"
         ),
+        "zoo_hf_llama_pp2_tp2_padded": Case(strategy=dict(PP2, **TP2), model="zoo_hf_llama_finetuning", data="padded"),
         "zoo_hf_mixtral_pp2_ep2_collated": Case(
             strategy=dict(PP2, expert_parallel_size=2), model="zoo_hf_mixtral_finetuning", data="collated"
         ),

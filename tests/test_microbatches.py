@@ -1,4 +1,5 @@
-"""A pipeline cuts each batch into microbatches of the same form, whatever the data loader made."""
+"""A pipeline cuts each batch into microbatches of the same form, whatever the data loader made, and weighs each
+microbatch's loss by its share of the batch's tokens where it can count them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 import transformers
 
+from lightdist.loss_tokens import labelled_tokens, shares
 from lightdist.pipeline.microbatches import cut_batch, examples_in
 
 
@@ -80,3 +82,27 @@ def test_what_cannot_be_cut_is_named() -> None:
         cut_batch(rows(4), 3)
     with pytest.raises(ValueError, match=r"holds no tensor with one \(dict\)"):
         cut_batch({"text": ["a", "b"]}, 2)
+
+
+def test_a_causal_lm_called_with_labels_counts_the_tokens_its_loss_averages_over() -> None:
+    config = transformers.AutoConfig.for_model(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    labels = torch.tensor([[5, 6, 7, -100], [5, -100, -100, -100]])  # the first label of each row is never predicted
+
+    assert labelled_tokens(model, {"input_ids": labels.clamp(min=0), "labels": labels}) == 2 + 0
+    assert labelled_tokens(model, {"input_ids": labels.clamp(min=0)}) is None  # no labels: the step's own loss
+    assert labelled_tokens(model, {"labels": labels, "num_items_in_batch": 7}) is None  # normalised by the caller
+    assert labelled_tokens(torch.nn.Linear(2, 2), {"labels": labels}) is None
+
+
+def test_microbatches_weigh_by_their_tokens_where_every_count_is_known() -> None:
+    torch.testing.assert_close(shares([3, 1], torch.device("cpu")), torch.tensor([0.75, 0.25]))
+    torch.testing.assert_close(shares([torch.tensor(3), None], torch.device("cpu")), torch.tensor([0.5, 0.5]))
+    torch.testing.assert_close(shares([0, 0], torch.device("cpu")), torch.tensor([0.5, 0.5]))

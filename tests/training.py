@@ -25,6 +25,7 @@ from fsspec import AbstractFileSystem
 from lightning.pytorch import Callback, LightningDataModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+from lightning.pytorch.loggers import Logger
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
@@ -317,11 +318,24 @@ MODELS = {
         zoo.HuggingFaceFineTuning, model_type="llama", num_key_value_heads=2, **zoo.HF_TINY
     ),
     "zoo_hf_gpt2_finetuning": partial(zoo.HuggingFaceFineTuning, **zoo.HF_TINY_GPT2),
+    "zoo_hf_llama_finetuning_own_loss": partial(
+        zoo.HuggingFaceFineTuningOwnLoss, model_type="llama", num_key_value_heads=2, **zoo.HF_TINY
+    ),
     "zoo_hf_mixtral_finetuning": partial(
         zoo.HuggingFaceFineTuning, model_type="mixtral", **dict(zoo.HF_TINY_MOE, **zoo.HF_MOE_FAMILIES["mixtral"])
     ),
     "zoo_nanogpt_pairs": zoo.NanoGPTOnPairs,
 }
+# The zoo's other Hugging Face families, fine-tuned on collator batches as HuggingFaceFineTuning trains them.
+ZOO_FAMILIES = ("qwen2_logits", "mistral_logits", "phi3_labels", "neox_logits", "opt_labels", "gemma_labels")
+MODELS.update(
+    {
+        f"zoo_hf_{family.rsplit('_', 1)[0]}_finetuning": partial(
+            zoo.HuggingFaceFineTuning, **MODELS[f"zoo_hf_{family}"].keywords
+        )
+        for family in ZOO_FAMILIES
+    }
+)
 
 
 class LlamaWithOneBadBatch(Llama):
@@ -522,9 +536,10 @@ def train(
     resume_from: str | None = None,
     save_to: str | None = None,
     plugins: list[Any] = (),
+    logger: Logger | bool = False,
 ) -> Result:
     """Train ``case``, optionally resuming from a checkpoint first and saving one at the end; ``plugins`` go to the
-    Trainer (a launcher's cluster environment)."""
+    Trainer (a launcher's cluster environment), and ``logger`` gets every step's metrics."""
     seed_everything(1234, workers=True)
     model = MODELS[case.model](learning_rate=1e-3, warmup_steps=2)
     if case.data in LoaderBatches.FORMS:
@@ -554,7 +569,8 @@ def train(
         val_check_interval=case.val_check_interval,
         num_sanity_val_steps=0,
         callbacks=[TrainingMonitor(log_every_n_steps=1), _RecordLosses(result), _CountValidationWindows(), *callbacks],
-        logger=False,
+        logger=logger,
+        log_every_n_steps=1,
         enable_checkpointing=any(isinstance(callback, Checkpoint) for callback in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,

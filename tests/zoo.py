@@ -346,6 +346,20 @@ class HuggingFaceFineTuning(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
 
+class HuggingFaceFineTuningOwnLoss(HuggingFaceFineTuning):
+    """The same fine-tuning with the loss computed in the step from ``.logits``, over the labelled tokens, and the
+    count of those tokens given to lightdist, which cannot see into the step's loss (``loss_tokens``)."""
+
+    def training_step(self, batch: transformers.BatchEncoding, batch_idx: int) -> Tensor:
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def loss_tokens(self, batch: transformers.BatchEncoding) -> Tensor:
+        return (batch["labels"][:, 1:] != -100).sum()
+
+
 class NanoGPTOnPairs(NanoGPT):
     """nanoGPT trained on ``(x, y)`` pairs, as a ``TensorDataset`` of inputs and targets yields them."""
 
