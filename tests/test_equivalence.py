@@ -159,6 +159,16 @@ CASES = {
             f"zoo_hf_{family}_pp2_padded": Case(strategy=dict(PP2), model=f"zoo_hf_{family}_finetuning", data="padded")
             for family in ("qwen2", "mistral", "phi3", "neox", "opt", "gemma")
         },
+        **{
+            f"zoo_hf_{family}_pp2_padded_{speedup}": Case(
+                strategy=dict(PP2, **options), model=f"zoo_hf_{family}_finetuning", data="padded"
+            )
+            for family, speedup, options in (
+                ("llama", "full_checkpointing", dict(activation_checkpointing="full")),
+                ("qwen2", "selective_checkpointing", dict(activation_checkpointing="selective")),
+                ("llama", "compiled", dict(compile=True)),
+            )
+        },
         "zoo_hf_gpt2_pp2_padded_accumulate_clip": Case(
             strategy=dict(PP2),
             model="zoo_hf_gpt2_finetuning",
