@@ -158,9 +158,10 @@ def _batch_dimension(module: pl.LightningModule, name: Literal["seq_len", "batch
     value = lightning_getattr(module, name) if lightning_hasattr(module, name) else None
     if value is None:  # a global batch is not enough: its share per rank depends on the layout being picked
         raise ValueError(
-            f"'auto' parallel sizes are picked for the batch each rank holds, but neither {type(module).__name__} nor "
-            f"its data module gives a `{name}` attribute or hyperparameter. Add `seq_len` (tokens per sample) and "
-            "`batch_size` (samples per data-parallel rank), or set tensor_parallel_size and pipeline_parallel_size."
+            f"Memory is planned, and 'auto' parallel sizes picked, for the batch each rank holds, but neither "
+            f"{type(module).__name__} nor its data module gives a `{name}` attribute or hyperparameter. Add `seq_len` "
+            "(tokens per sample) and `batch_size` (samples per data-parallel rank); 'auto' sizes need them, where "
+            "given sizes train without."
         )
     return int(value)
 
