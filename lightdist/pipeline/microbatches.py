@@ -25,6 +25,8 @@ from typing import Any
 from lightning_utilities.core.apply_func import is_dataclass_instance, is_namedtuple
 from torch import Tensor
 
+from lightdist.dataflow import tensors_in
+
 __all__ = ["cut_batch", "examples_in"]
 
 _PLAIN = (str, bytes, int, float, bool, type(None))
@@ -33,7 +35,7 @@ _PLAIN = (str, bytes, int, float, bool, type(None))
 def examples_in(batch: Any) -> int:
     """The number of examples in ``batch``: the first dimension most of its tensors of two or more dimensions share
     (of its 1-D tensors, where it has none), the larger on a tie."""
-    tensors = [tensor for tensor in _tensors(batch) if tensor.dim() > 0]
+    tensors = [tensor for tensor in tensors_in(batch) if tensor.dim() > 0]
     if not tensors:
         raise ValueError(
             "Pipeline parallelism cuts each batch into microbatches along its tensors' first dimension, but this "
@@ -83,17 +85,3 @@ def _cut(value: Any, name: str, examples: int, rows: slice) -> Any:
             return type(value)(value[rows])
         return type(value)(_cut(item, f"{name}[{i}]", examples, rows) for i, item in enumerate(value))
     return value
-
-
-def _tensors(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        items = list(value.values())
-    elif is_dataclass_instance(value):
-        items = [getattr(value, field.name) for field in dataclasses.fields(value)]
-    elif isinstance(value, list | tuple):
-        items = list(value)
-    else:
-        return []
-    return [tensor for item in items for tensor in _tensors(item)]
