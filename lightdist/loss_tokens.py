@@ -19,17 +19,21 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["IGNORE_INDEX", "labelled_tokens", "shares"]
+__all__ = ["IGNORE_INDEX", "is_causal_lm", "labelled_tokens", "shares"]
 
 IGNORE_INDEX = -100  # the label PyTorch's cross-entropy and Hugging Face's losses leave out
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face causal LM, whose loss from ``labels=`` averages over the labelled tokens."""
+    return getattr(getattr(model, "loss_function", None), "__name__", "") == "ForCausalLMLoss"
 
 
 def labelled_tokens(model: nn.Module, kwargs: dict[str, Any]) -> Tensor | None:
     """The tokens ``model``'s own loss averages over when called with ``kwargs``: a Hugging Face causal LM's labels
     that are not -100 after the shift by one; ``None`` for any other call."""
     labels = kwargs.get("labels")
-    causal_lm_loss = getattr(getattr(model, "loss_function", None), "__name__", "") == "ForCausalLMLoss"
-    if not isinstance(labels, Tensor) or not causal_lm_loss or "num_items_in_batch" in kwargs:
+    if not isinstance(labels, Tensor) or not is_causal_lm(model) or "num_items_in_batch" in kwargs:
         return None
     return (labels[..., 1:] != IGNORE_INDEX).sum()
 

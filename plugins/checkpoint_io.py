@@ -49,6 +49,17 @@ class ShardedCheckpointIO(CheckpointIO):
         self._saver: CheckpointSaver | None = None
         self._failures_logged = 0
 
+    @staticmethod
+    def refusing_others(io: CheckpointIO) -> ShardedCheckpointIO:
+        """``io``, which must be a ``ShardedCheckpointIO``: ``ParallelStrategy`` saves sharded checkpoints only."""
+        if not isinstance(io, ShardedCheckpointIO):
+            raise TypeError(
+                f"ParallelStrategy saves sharded checkpoints through lightdist's ShardedCheckpointIO, but the Trainer "
+                f"was given {type(io).__name__}. Leave it out of Trainer(plugins=...): uploads already go on behind "
+                "training (ParallelStrategy(async_checkpoint=...)), to any path or fsspec URL."
+            )
+        return io
+
     @property
     def failures(self) -> list[str]:
         """What each save that failed in this process said, oldest first."""

@@ -51,6 +51,7 @@ from lightdist.pipeline.structural import MicrobatchCalls, ModelCall
 from lightdist.pipeline.tied import TiedGradients, tied_gradients
 from lightdist.plugins.lightning_internals import data_source
 from lightdist.plugins.metric_sync import load_metric_states, metric_states, metrics_of
+from lightdist.plugins.token_weights import TokenWeights, logging_to
 
 __all__ = [
     "PipelineStep",
@@ -172,13 +173,12 @@ def answering_model_calls(
     answering = [(module.get_submodule(path), answer) for path, answer in answers.items()]
     for called, answer in answering:
         called.forward = answer
-    module.log = log or (lambda *args, **kwargs: None)
     try:
-        yield
+        with logging_to(module, log or (lambda *args, **kwargs: None)):
+            yield
     finally:
         for called, _ in answering:
             del called.forward
-        del module.log
         if saved_metrics is not None:
             load_metric_states(metrics, saved_metrics)
 
@@ -203,17 +203,20 @@ class PipelineStep:
         microbatches: int,
         *,
         callable_as_model: list[str],
+        token_weights: TokenWeights,
         sequence_shards: int = 1,
         tied: TiedGradients | None = None,
         traced_input: Callable[[tuple[tuple, dict]], tuple] | None = None,
     ) -> None:
         """``callable_as_model``: the modules (by name in ``module``, ``""`` for itself) whose call by the step is
-        the model call that enters the first stage. ``sequence_shards``: the tensor-parallel ranks each stage hands its
-        share of the sequence to the next (sequence parallelism), 1 without. ``traced_input``: for stages cut by the
-        tracer, the first stage's positional inputs from the model call; without it, every stage gets the call as
-        ``StageModel`` expects."""
+        the model call that enters the first stage. ``token_weights``: weighs the batch by its labelled tokens among
+        the data-parallel ranks' and the accumulation's batches, told the microbatches' counts. ``sequence_shards``:
+        the tensor-parallel ranks each stage hands its share of the sequence to the next (sequence parallelism), 1
+        without. ``traced_input``: for stages cut by the tracer, the first stage's positional inputs from the model
+        call; without it, every stage gets the call as ``StageModel`` expects."""
         self.module, self.microbatches, self.tied, self.traced_input = module, microbatches, tied, traced_input
         self.callable_as_model, self.sequence_shards = callable_as_model, sequence_shards
+        self.token_weights = token_weights
         last = [stage.submod for stage in stages if stage.is_last]
         # The model call's answer on the last stage, whole (structure-cut stages hand on the output's tensors only).
         self._whole_output = last[0].whole_output if last and traced_input is None else lambda output: output
@@ -280,16 +283,18 @@ class PipelineStep:
         """The step's loss over the batch: the microbatches' losses, each weighted by its share of the batch's tokens
         where they can be counted (``lightdist.loss_tokens``), else alike. Backward runs on each weighted loss
         multiplied by ``loss_scale`` (Lightning's 1/accumulate_grad_batches, which it applies to a loss before its own
-        backward)."""
+        backward) and by the batch's weight among the data-parallel ranks' and the accumulation's batches."""
         self._loss_scale = loss_scale
         step = getattr(type(self.module), step_name)
         self._step = lambda microbatch: step(self.module, microbatch, batch_idx)
         updates = {name: metric.update_count for name, metric in self.metrics.items()}
         losses: list[Tensor] = []
         with self.clock.timing("scheduled"):
-            self._run(self.schedule.step if train else self.schedule.eval, batch, losses)
+            self._run(self.schedule.step if train else self.schedule.eval, batch, losses, train=train)
         self.clock.settle()
-        loss = torch.stack([loss.detach() for loss in losses]).sum() / loss_scale if self.last else torch.zeros(())
+        loss = (
+            torch.stack([loss.detach() for loss in losses]).sum() / self._loss_scale if self.last else torch.zeros(())
+        )
         loss = loss.to(self.module.device).float()
         dist.broadcast(loss, group_src=self._last_stage, group=self.pp_group)
         updated = [name for name, metric in self.metrics.items() if metric.update_count != updates[name]]
@@ -311,7 +316,15 @@ class PipelineStep:
         dist.broadcast_object_list(shared, group_src=self._last_stage, group=self.pp_group)
         return shared[0]
 
-    def _run(self, run: Callable[..., Any], batch: Any, losses: list[Tensor], *, return_outputs: bool = False) -> Any:
+    def _run(
+        self,
+        run: Callable[..., Any],
+        batch: Any,
+        losses: list[Tensor],
+        *,
+        train: bool = False,
+        return_outputs: bool = False,
+    ) -> Any:
         """``run`` (the schedule's step or eval) on ``batch``, cut into microbatches by lightdist, whatever its form.
 
         The user's step runs on each microbatch up to its model call, whose arguments enter the first stage (every
@@ -325,6 +338,9 @@ class PipelineStep:
             self._loss_tokens(microbatch, call) for microbatch, call in zip(self._microbatches, calls, strict=True)
         ]
         self._shares = shares(tokens, self.module.device)
+        self.token_weights.count(None if any(count is None for count in tokens) else sum(tokens))
+        if train:
+            self._loss_scale *= self.token_weights.backward_weight(batch)
         self._check_sequence_shards(calls[0])
         index = torch.arange(self.microbatches)
         if self.traced_input is None:
@@ -493,14 +509,15 @@ def pipeline_step_over(
     parallelized: Parallelized,
     mesh: DeviceMesh,
     config: ParallelConfig,
-    device: torch.device,
+    token_weights: TokenWeights,
     timeout: timedelta,
 ) -> PipelineStep:
     """The step runner over this rank's stages of ``parallelized``: torch's ``PipelineStage`` on the mesh's ``pp``
-    group, the schedule ``config`` names. A collective: every rank takes part in grouping the tied weights' ends."""
+    group, on the rank's device (where ``token_weights`` counts), the schedule ``config`` names. A collective: every
+    rank takes part in grouping the tied weights' ends."""
     pp_group = mesh["pp"].get_group()
     stages = [
-        PipelineStage(stage, index, parallelized.stage_count, device, group=pp_group)
+        PipelineStage(stage, index, parallelized.stage_count, token_weights.device, group=pp_group)
         for stage, index in zip(parallelized.stages, parallelized.stage_indices, strict=True)
     ]
     for stage, index in zip(parallelized.stages, parallelized.stage_indices, strict=True):
@@ -512,6 +529,7 @@ def pipeline_step_over(
         SCHEDULES[config.pipeline_schedule].runner,
         config.microbatches_run(mesh["pp"].size()),
         callable_as_model=parallelized.model_paths,
+        token_weights=token_weights,
         sequence_shards=mesh["tp"].size() if config.sequence_parallel else 1,
         tied=tied_gradients(module, parallelized.tied, mesh, timeout),
         traced_input=parallelized.traced_input,

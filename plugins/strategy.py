@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 from lightning.fabric.plugins import CheckpointIO
@@ -42,6 +43,7 @@ from lightdist.plugins.pipeline_step import PipelineStep, example_model_call, pi
 from lightdist.plugins.rank_state import deal_samples_in_turn, gather_rank_states, take_rank_state
 from lightdist.plugins.run_header import announce_run
 from lightdist.plugins.strategy_names import STRATEGY_NAMES
+from lightdist.plugins.token_weights import TokenWeights
 from lightdist.rng import set_rng_state
 from lightdist.sharding import ShardedOptimizer, ZeroStage, optimizer_states_to, step_mixed_meshes_per_tensor
 from lightdist.storage import configure, resolve
@@ -139,6 +141,7 @@ class ParallelStrategy(MeshStrategy):
         self._non_finite = NonFiniteGuard(non_finite)
         self._parallelized: Parallelized | None = None
         self._pipeline_step: PipelineStep | None = None
+        self._token_weights: TokenWeights | None = None
         self._rng_state_to_restore: dict[str, Any] | None = None
         self.planned_memory: Estimate | None = None  # the planner's, on rank 0: TrainingMonitor logs it beside its own
 
@@ -186,6 +189,7 @@ class ParallelStrategy(MeshStrategy):
         if self._parallelized is not None and self._parallelized.model.module is module:
             return self._parallelized.model
         config = self._config.with_precision(self.precision_plugin.precision)
+        self._token_weights = TokenWeights(module, self.device_mesh, self.root_device)
         self._parallelized = parallelize(
             module,
             self.device_mesh,
@@ -196,7 +200,7 @@ class ParallelStrategy(MeshStrategy):
         )
         if self._parallelized.stages:
             self._pipeline_step = pipeline_step_over(
-                module, self._parallelized, self.device_mesh, config, self.root_device, self._collective_timeout
+                module, self._parallelized, self.device_mesh, config, self._token_weights, self._collective_timeout
             )
         return self._parallelized.model
 
@@ -225,16 +229,17 @@ class ParallelStrategy(MeshStrategy):
         return self._step("predict_step", super().predict_step, *args, **kwargs)
 
     def _step(self, name: str, lightning_step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Lightning's step ``name``, or under a pipeline the schedule's run of it."""
+        """Lightning's step ``name``, or under a pipeline the schedule's run of it, weighed by its labelled tokens."""
+        run = partial(lightning_step, *args, **kwargs)
+        if self._pipeline_step is not None:
+            run = partial(self._pipeline_step.run, name, *args[:2], self.optimizers, self.precision_plugin)
         with self._loss_context():
-            if self._pipeline_step is None:
-                return lightning_step(*args, **kwargs)
-            return self._pipeline_step.run(name, args[0], args[1], self.optimizers, self.precision_plugin)
+            return self._token_weights.step(name, args[0], run)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         with self._loss_context():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            return super().backward(self._token_weights.for_backward(closure_loss), optimizer, *args, **kwargs)
 
     def _loss_context(self) -> AbstractContextManager:
         return vocab_parallel_cross_entropy() if self._config.loss_parallel and self.layout.tp > 1 else nullcontext()
@@ -259,11 +264,12 @@ class ParallelStrategy(MeshStrategy):
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any
     ) -> Any:
-        """Step once a checkpoint save in flight has copied the state: the copy overlaps the forward and backward in
-        ``closure``, which the optimizer runs before it changes the parameters."""
+        """Step on the gradient of the mean over the accumulation's tokens (``token_weights.py``) once a checkpoint
+        save in flight has copied the state: the copy overlaps the forward and backward of ``closure``."""
 
         def closure_then_wait_for_staging() -> Any:
             loss = closure()
+            self._token_weights.scale_gradients(optimizer, self.lightning_module.trainer.accumulate_grad_batches)
             self._non_finite.check(lambda: self.gradient_norm(optimizer), loss, self.lightning_module)
             self.checkpoint_io.wait_for_staging()
             return loss
@@ -308,13 +314,7 @@ class ParallelStrategy(MeshStrategy):
     @checkpoint_io.setter
     @override
     def checkpoint_io(self, io: CheckpointIO) -> None:
-        if not isinstance(io, ShardedCheckpointIO):  # from Trainer(plugins=[...]), as the Trainer is built
-            raise TypeError(
-                f"ParallelStrategy saves sharded checkpoints through lightdist's ShardedCheckpointIO, but the Trainer "
-                f"was given {type(io).__name__}. Leave it out of Trainer(plugins=...): uploads already go on behind "
-                "training (ParallelStrategy(async_checkpoint=...)), to any path or fsspec URL."
-            )
-        self._sharded_io = io
+        self._sharded_io = ShardedCheckpointIO.refusing_others(io)  # from Trainer(plugins=[...]), as it is built
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -379,12 +379,14 @@ class Case:
         data_parallel_size = world_size // (
             strategy.get("tensor_parallel_size", 1) * strategy.get("pipeline_parallel_size", 1)
         )
+        # Padded batches weigh by their tokens across an accumulation too: one step on all its batches at once.
+        at_once = self.accumulate_grad_batches if self.data == "padded" else 1
         return Case(
             model=self.model,
             steps=self.steps,
-            batch_size=self.batch_size * data_parallel_size,
+            batch_size=self.batch_size * data_parallel_size * at_once,
             seq_len=self.seq_len,
-            accumulate_grad_batches=self.accumulate_grad_batches,
+            accumulate_grad_batches=self.accumulate_grad_batches // at_once,
             gradient_clip_val=self.gradient_clip_val,
             precision=self.precision,
             validate=self.validate,

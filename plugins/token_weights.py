@@ -1,0 +1,168 @@
+"""Each data-parallel rank's batch, and each batch of a gradient accumulation, weighed by its labelled tokens.
+
+One process stepping on a global batch of padded documents averages its loss over all the batch's labelled tokens.
+Split over data-parallel ranks, each rank averages over its own tokens and the ranks' gradients are averaged alike;
+under ``accumulate_grad_batches`` Lightning averages the batches' losses alike too. That is a mean of means, not the
+global batch's mean, wherever ranks or batches hold different numbers of tokens. Where lightdist can count a step's
+tokens (``lightdist.loss_tokens``: a Hugging Face causal LM called with ``labels=``, or the module's own
+``loss_tokens(batch)``), it weighs by them, as Megatron and transformers' ``num_items_in_batch`` do:
+
+- the loss a training step returns, and each mean a step logs with ``sync_dist=True``, become the rank's share of the
+  global batch's: its own, times its tokens' share of the global batch's, times the data-parallel size. Lightning's
+  mean over the ranks is then the global batch's mean;
+- backward runs on each batch's loss weighted by its tokens, relative to those of the accumulation's first global
+  batch (which keeps the scale of an unweighted loss). Once the accumulation's last batch has run, the gradients are
+  scaled once, so that the optimizer steps on the gradient of the mean over every token the accumulation saw.
+
+Where a rank cannot count a batch's tokens, the ranks' batches weigh alike, as Lightning weighs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+
+from lightdist.loss_tokens import is_causal_lm, labelled_tokens
+
+__all__ = ["TokenWeights", "logging_to"]
+
+_MEANS = ("mean", torch.mean)
+
+
+class TokenWeights:
+    """Weighs ``module``'s steps by their labelled tokens over the ``mesh``'s data-parallel ranks, counted from the
+    module's calls of Hugging Face causal LMs (a pipeline counts its microbatches' itself) or its ``loss_tokens``."""
+
+    def __init__(self, module: LightningModule, mesh: DeviceMesh, device: torch.device) -> None:
+        self.module, self.group, self.device = module, mesh["dp"].get_group(), device
+        self.ranks = mesh["dp"].size()
+        causal_lms = [model for model in module.modules() if is_causal_lm(model)]
+        self.countable = hasattr(module, "loss_tokens") or bool(causal_lms)
+        self._tokens: Tensor | int | None = None  # this rank's count for the step, once known
+        self._called: list[Tensor] | None = None  # while a step runs: the labelled tokens of each call with labels
+        self._shared: tuple[Tensor, Tensor, Tensor] | None = None  # the step's share, global tokens, unknown
+        self._backward_scale: Tensor | None = None  # a training step's loss weight in backward, over its share
+        self._window: list[tuple[Tensor, Tensor]] = []  # the accumulation's global tokens and unknown, per batch
+        if mesh["pp"].size() == 1:
+            for model in causal_lms:
+                model.register_forward_pre_hook(self._count_call, with_kwargs=True)
+
+    def step(self, step_name: str, batch: Any, run: Callable[[], Any]) -> Any:
+        """``run``, Lightning's ``step_name`` on ``batch``, with its sync_dist means and a training step's loss
+        weighed by this rank's share of the global batch's tokens."""
+        if not self.countable or step_name == "predict_step":
+            return run()
+        self._tokens, self._called, self._shared, self._backward_scale = None, [], None, None
+        deferred: list[tuple[str, Any, dict[str, Any]]] = []
+        with self._deferring_means(deferred):
+            output = run()
+        share, _, _ = self._share(batch)
+        for name, value, options in deferred:
+            self.module.log(name, value * share, **options)
+        self._called = None
+        if step_name != "training_step" or not self.module.automatic_optimization:
+            return output
+        if self._backward_scale is None:
+            self._join_accumulation(batch)
+        if isinstance(output, Mapping) and "loss" in output:
+            return {**output, "loss": output["loss"] * share}
+        return output * share if isinstance(output, Tensor) else output
+
+    def count(self, tokens: Tensor | int | None) -> None:
+        """This rank's batch covers ``tokens`` labelled tokens (``None``: it cannot tell)."""
+        self._tokens = tokens
+
+    def backward_weight(self, batch: Any) -> Tensor | float:
+        """The factor on the current training batch's loss in backward, which joins it to the accumulation: its share
+        of the global batch's tokens, times the global batch's tokens over the accumulation's first batch's."""
+        if not self.countable:
+            return 1.0
+        share, _, _ = self._share(batch)
+        return share * self._join_accumulation(batch)
+
+    def for_backward(self, closure_loss: Tensor) -> Tensor:
+        """Lightning's loss for backward (the step's share of its global batch's loss), weighed by the global batch's
+        tokens."""
+        return closure_loss if self._backward_scale is None else closure_loss * self._backward_scale
+
+    def scale_gradients(self, optimizer: Optimizer, accumulate: int) -> None:
+        """Once the accumulation's last backward has run: scale the gradients from the weights backward used to the
+        mean over the accumulation's tokens. Lightning divided each batch's loss by ``accumulate``."""
+        window, self._window, self._backward_scale = self._window, [], None
+        if not window or (len(window) == 1 and accumulate == 1):
+            return  # one batch: its weight in backward was its share already
+        tokens, unknown = (torch.stack(column) for column in zip(*window, strict=True))
+        scale = torch.where(unknown.any(), 1.0, tokens[0] * accumulate / tokens.sum().clamp(min=1))
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                if parameter.grad is not None:
+                    parameter.grad.mul_(scale)
+
+    def _join_accumulation(self, batch: Any) -> Tensor:
+        _, tokens, unknown = self._share(batch)
+        self._window.append((tokens, unknown))
+        first = self._window[0][0]
+        self._backward_scale = torch.where(unknown, 1.0, tokens / first.clamp(min=1))
+        return self._backward_scale
+
+    def _share(self, batch: Any) -> tuple[Tensor, Tensor, Tensor]:
+        """This rank's share of the global batch's loss, the global batch's tokens, and whether some rank could not
+        count its own: one all-reduce over the data-parallel ranks a step."""
+        if self._shared is not None:
+            return self._shared
+        tokens = self._tokens
+        if tokens is None and hasattr(self.module, "loss_tokens"):
+            tokens = self.module.loss_tokens(batch)
+        elif tokens is None and self._called is not None and len(self._called) == 1:
+            tokens = self._called[0]
+        own = torch.as_tensor(0 if tokens is None else tokens, device=self.device).float()
+        counts = torch.stack([own, torch.tensor(float(tokens is None), device=self.device)])
+        if self.ranks > 1:
+            dist.all_reduce(counts, group=self.group)
+        total, unknown = counts[0], counts[1] > 0
+        share = torch.where(unknown | (total == 0), 1.0, own * self.ranks / total.clamp(min=1))
+        self._shared = (share, total, unknown)
+        return self._shared
+
+    def _count_call(self, model: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        """A call with labels (not the base model's call inside it) counts its labelled tokens."""
+        if self._called is not None and (tokens := labelled_tokens(model, kwargs)) is not None:
+            self._called.append(tokens)
+
+    @contextmanager
+    def _deferring_means(self, deferred: list[tuple[str, Any, dict[str, Any]]]) -> Iterator[None]:
+        """Within, what the module logs as a mean over the data-parallel ranks waits in ``deferred`` for the step's
+        share; all else is logged at once."""
+        log = self.module.log
+
+        def log_or_defer(name: str, value: Any, *args: Any, **options: Any) -> None:
+            weighed = isinstance(value, Tensor | float | int) and not args and options.get("sync_dist")
+            if weighed and options.get("reduce_fx", "mean") in _MEANS and options.get("sync_dist_group") is None:
+                deferred.append((name, value, options))
+            else:
+                log(name, value, *args, **options)
+
+        with logging_to(self.module, log_or_defer):
+            yield
+
+
+@contextmanager
+def logging_to(module: LightningModule, log: Callable[..., None]) -> Iterator[None]:
+    """Within, ``module``'s ``self.log`` calls go to ``log``; after, to whatever they went to before."""
+    before = module.__dict__.get("log")
+    module.log = log
+    try:
+        yield
+    finally:
+        if before is None:
+            del module.log
+        else:
+            module.log = before
