@@ -194,9 +194,10 @@ class Parallelized:
     # Whether the model came sharded already (a ``configure_model`` written for Lightning's ModelParallelStrategy).
     sharded_by_user: bool = False
 
-    def tied_heads_on(self, pp_rank: int, pp: int) -> dict[str, str]:
-        """On the last pipeline rank, the head's name of each weight tied across the pipeline's ends, mapped to the
-        embedding's name, which checkpoints save it under."""
+    def tied_heads_on(self, mesh: DeviceMesh) -> dict[str, str]:
+        """On the ``mesh``'s last pipeline rank, the head's name of each weight tied across the pipeline's ends, mapped
+        to the embedding's name, which checkpoints save it under."""
+        pp_rank, pp = mesh["pp"].get_local_rank(), mesh["pp"].size()
         return {head: embedding for embedding, head in self.tied} if pp > 1 and pp_rank == pp - 1 else {}
 
 
@@ -292,24 +293,41 @@ def parallelize(
     return result
 
 
-def materialize(model: nn.Module, device: torch.device) -> None:
+def materialize(model: nn.Module, device: torch.device, *, filled_after: bool = False) -> None:
     """Allocate on ``device`` the parameters and buffers a model built on the meta device holds once it is split, and
     initialize each module's by its ``reset_parameters``: a model too big for one device is built on meta
     (``trainer.init_module(empty_init=True)``, ``configure_model``) and only ever allocates its own shards.
 
-    A module with weights and no ``reset_parameters`` keeps uninitialized memory; it is named in a warning."""
-    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+    Buffers built on a device (a model built with ``lightdist.pretrained.parameters_on_meta``) keep their values. A
+    module with weights on meta and no ``reset_parameters`` keeps uninitialized memory; it is named in a warning,
+    unless the weights are ``filled_after`` from a checkpoint."""
+    on_meta = [
+        module
+        for module in model.modules()
+        if any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)))
+    ]
+    if not on_meta:
         return
+    built = {name: buffer for name, buffer in model.named_buffers() if not buffer.is_meta}
+    first_names: dict[int, str] = {}
+    tied = {
+        name: first_names.setdefault(id(parameter), name)
+        for name, parameter in model.named_parameters(remove_duplicate=False)
+    }
     model.to_empty(device=device)
+    for name, buffer in built.items():
+        model.get_buffer(name).copy_(buffer)
+    for name, first in tied.items():  # to_empty gives each module its own copy of a weight they shared
+        if model.get_parameter(name) is not model.get_parameter(first):
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, model.get_parameter(first))
     uninitialized = set()
-    for module in model.modules():
-        if next(module.parameters(recurse=False), None) is None and next(module.buffers(recurse=False), None) is None:
-            continue
+    for module in on_meta:
         if callable(reset := getattr(module, "reset_parameters", None)):
             reset()
         else:
             uninitialized.add(type(module).__name__)
-    if uninitialized:
+    if uninitialized and not filled_after:
         warnings.warn(
             f"lightdist: {', '.join(sorted(uninitialized))} built on the meta device have no reset_parameters(), so "
             "their weights are uninitialized memory. Give them a reset_parameters(), or build the model on a device.",

@@ -1,17 +1,24 @@
-"""Any Hugging Face causal LM as a LightningModule, built offline from a config or a local checkpoint.
+"""Any Hugging Face causal LM as a LightningModule, built offline from a config or from a checkpoint at any URL.
 
-Nothing is downloaded: ``config`` builds a randomly initialised model (``model_type`` picks the family), and
-``pretrained`` loads weights from a local directory only.
+``config`` builds a randomly initialised model (``model_type`` picks the family). ``pretrained`` names a
+``save_pretrained`` directory, a path or any fsspec URL (``s3://``, ``gs://``): the model is built with its parameters
+on the meta device and filled once split, each rank reading only its own shards' bytes (``lightdist.pretrained``);
+under any other strategy, whole in ``configure_model``.
 """
 
 from __future__ import annotations
 
+import json
+import posixpath
 from collections.abc import Mapping
 from typing import Any
 
+from fsspec.core import url_to_fs
 from torch import Tensor
 
 from lightdist.models.lm import CausalLM
+from lightdist.parallelize import materialize
+from lightdist.pretrained import PretrainedWeights, load_pretrained, parameters_on_meta
 
 __all__ = ["STATE_DICT_PREFIX", "HuggingFaceCausalLM", "pretrained_config"]
 
@@ -24,7 +31,7 @@ class HuggingFaceCausalLM(CausalLM):
     Args:
         config: Keyword arguments of the family's config, with ``model_type`` (e.g. ``{"model_type": "llama",
             "hidden_size": 64, ...}``); the model starts from random weights.
-        pretrained: A local directory saved with ``save_pretrained``; used instead of ``config``.
+        pretrained: A directory saved with ``save_pretrained``, a path or any fsspec URL; used instead of ``config``.
     """
 
     def __init__(
@@ -38,12 +45,24 @@ class HuggingFaceCausalLM(CausalLM):
         super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, warmup_steps=warmup_steps)
         self.save_hyperparameters()
         if (config is None) == (pretrained is None):
-            raise ValueError("Pass exactly one of config (a random model) or pretrained (a local directory).")
+            raise ValueError("Pass exactly one of config (a random model) or pretrained (a checkpoint directory).")
         transformers = _transformers()
+        self.pretrained_weights = PretrainedWeights(pretrained, prefix=STATE_DICT_PREFIX) if pretrained else None
         if pretrained is not None:
-            self.model = transformers.AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True)
+            with parameters_on_meta():
+                self.model = transformers.AutoModelForCausalLM.from_config(pretrained_config(self.hparams))
         else:
             self.model = transformers.AutoModelForCausalLM.from_config(pretrained_config(self.hparams))
+
+    def configure_model(self) -> None:
+        """Under a strategy other than lightdist's, which fills the model once split: the whole model, read here."""
+        from lightdist.plugins import ParallelStrategy
+
+        on_meta = any(parameter.is_meta for parameter in self.parameters())
+        if self.pretrained_weights is None or not on_meta or isinstance(self.trainer.strategy, ParallelStrategy):
+            return
+        materialize(self, self.device, filled_after=True)
+        load_pretrained(self, self.pretrained_weights)
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.model(input_ids=tokens).logits
@@ -54,7 +73,9 @@ def pretrained_config(hyperparameters: Mapping[str, Any]) -> Any:
     what a checkpoint's saved hyperparameters need to rebuild it, for export."""
     transformers = _transformers()
     if hyperparameters.get("pretrained") is not None:
-        return transformers.AutoConfig.from_pretrained(hyperparameters["pretrained"], local_files_only=True)
+        fs, path = url_to_fs(hyperparameters["pretrained"])
+        options = json.loads(fs.cat_file(posixpath.join(path, "config.json")))
+        return transformers.AutoConfig.for_model(options.pop("model_type"), **options)
     options = dict(hyperparameters.get("config") or {})
     if "model_type" not in options:
         raise ValueError("its hyperparameters have neither `pretrained` nor a `config` with a `model_type`.")

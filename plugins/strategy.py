@@ -44,6 +44,7 @@ from lightdist.plugins.rank_state import deal_samples_in_turn, gather_rank_state
 from lightdist.plugins.run_header import announce_run
 from lightdist.plugins.strategy_names import STRATEGY_NAMES
 from lightdist.plugins.token_weights import TokenWeights
+from lightdist.pretrained import PretrainedLoad, load_pretrained
 from lightdist.rng import set_rng_state
 from lightdist.sharding import ShardedOptimizer, ZeroStage, optimizer_states_to, step_mixed_meshes_per_tensor
 from lightdist.storage import configure, resolve
@@ -136,13 +137,13 @@ class ParallelStrategy(MeshStrategy):
         # Applied now: Lightning looks for ckpt_path="last" before any strategy hook runs. Every rank's process builds
         # the strategy (the script runs in each, under torchrun and Lightning's launcher alike).
         configure(storage_options or {})
-        self._async_checkpoint = async_checkpoint
-        self._sharded_io: ShardedCheckpointIO | None = None
+        self._sharded_io = ShardedCheckpointIO(async_checkpoint)
         self._non_finite = NonFiniteGuard(non_finite)
         self._parallelized: Parallelized | None = None
-        self._pipeline_step: PipelineStep | None = None
+        self.pipeline_step: PipelineStep | None = None  # runs this rank's pipeline stages; its clock times the bubble
         self._token_weights: TokenWeights | None = None
         self._rng_state_to_restore: dict[str, Any] | None = None
+        self.pretrained_load: PretrainedLoad | None = None  # what this rank read of the pretrained weights
         self.planned_memory: Estimate | None = None  # the planner's, on rank 0: TrainingMonitor logs it beside its own
 
     @property
@@ -157,22 +158,25 @@ class ParallelStrategy(MeshStrategy):
         refuse_metrics_on_meta(self.lightning_module)
         self.model = self._parallelize(self.lightning_module)
         reduce_metrics_over(self.lightning_module, self.device_mesh["dp"].get_group())
+        weights = getattr(self.lightning_module, "pretrained_weights", None)  # lightdist.pretrained.PretrainedWeights
         with metrics_set_aside(self.lightning_module):
-            materialize(self.model, self.root_device)
+            materialize(self.model, self.root_device, filled_after=weights is not None)
         self.model = self.precision_plugin.convert_module(self.model)
         if not self._config.cpu_offload:
             self.model_to_device()
+        if weights is not None and trainer.ckpt_path is None:  # a resume takes the run's own checkpoint instead
+            tied = self._parallelized.tied_heads_on(self.device_mesh)
+            self.pretrained_load = load_pretrained(self.lightning_module, weights, tied)
+            rank_zero_info(f"lightdist: {self.pretrained_load.summary()}")
         if self._parallelized.traced_input is not None:
             share_model_buffers(self.lightning_module, self._parallelized.stages)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            skip_lightning_backward(trainer, self._pipeline_step is not None)
+            skip_lightning_backward(trainer, self.pipeline_step is not None)
         self.setup_precision_plugin()
         # Lightning's clipping sees this stage's gradients only, and one DTensor mesh; the norm must cover them all.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_norm_across_stages
-        if trainer.state.fn == TrainerFn.FITTING and not self._config.cpu_offload:
-            optimizer_states_to(self.optimizers, self.root_device)
 
     @property
     def run_config(self) -> dict[str, Any]:
@@ -199,7 +203,7 @@ class ParallelStrategy(MeshStrategy):
             report=rank_zero_info,
         )
         if self._parallelized.stages:
-            self._pipeline_step = pipeline_step_over(
+            self.pipeline_step = pipeline_step_over(
                 module, self._parallelized, self.device_mesh, config, self._token_weights, self._collective_timeout
             )
         return self._parallelized.model
@@ -211,6 +215,8 @@ class ParallelStrategy(MeshStrategy):
         if self._config.zero_stage == 1 and not self._parallelized.sharded_by_user:
             # LR schedulers keep the user's optimizers: a ShardedOptimizer shares their parameter groups.
             self.optimizers = [ShardedOptimizer(optimizer, self.device_mesh["dp"]) for optimizer in self.optimizers]
+        if not self._config.cpu_offload:
+            optimizer_states_to(self.optimizers, self.root_device)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -231,8 +237,8 @@ class ParallelStrategy(MeshStrategy):
     def _step(self, name: str, lightning_step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Lightning's step ``name``, or under a pipeline the schedule's run of it, weighed by its labelled tokens."""
         run = partial(lightning_step, *args, **kwargs)
-        if self._pipeline_step is not None:
-            run = partial(self._pipeline_step.run, name, *args[:2], self.optimizers, self.precision_plugin)
+        if self.pipeline_step is not None:
+            run = partial(self.pipeline_step.run, name, *args[:2], self.optimizers, self.precision_plugin)
         with self._loss_context():
             return self._token_weights.step(name, args[0], run)
 
@@ -251,7 +257,7 @@ class ParallelStrategy(MeshStrategy):
 
         Under a pipeline the schedule decides: it reduces the gradients once, after each batch's last microbatch.
         """
-        if self._pipeline_step is not None:
+        if self.pipeline_step is not None:
             yield
             return
         self.model.set_requires_gradient_sync(False)
@@ -290,7 +296,7 @@ class ParallelStrategy(MeshStrategy):
         """The norm of the whole model's gradient, the same on every rank: over every pipeline stage and every
         tensor- and data-parallel shard, a weight tied across the pipeline's ends counted once."""
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        elsewhere = self._pipeline_step.counted_elsewhere() if self._pipeline_step is not None else set()
+        elsewhere = self.pipeline_step.counted_elsewhere() if self.pipeline_step is not None else set()
         apart = experts_held_apart(self.lightning_module)
         pp = self.device_mesh["pp"].get_group()
         return grad_norm_across_stages(parameters, pp, counted_elsewhere=elsewhere, held_apart=apart)
@@ -300,15 +306,8 @@ class ParallelStrategy(MeshStrategy):
         clip_grads(parameters, clip_val, self.gradient_norm(optimizer))
 
     @property
-    def pipeline_step(self) -> PipelineStep | None:
-        """What runs this rank's pipeline stages (its clock times the bubble); ``None`` without a pipeline."""
-        return self._pipeline_step
-
-    @property
     @override
     def checkpoint_io(self) -> ShardedCheckpointIO:
-        if self._sharded_io is None:
-            self._sharded_io = ShardedCheckpointIO(self._async_checkpoint)
         return self._sharded_io
 
     @checkpoint_io.setter
@@ -360,7 +359,7 @@ class ParallelStrategy(MeshStrategy):
             module,
             self.optimizers,
             strict=module.strict_loading,
-            tied_names=self._parallelized.tied_heads_on(self.device_mesh["pp"].get_local_rank(), self.layout.pp),
+            tied_names=self._parallelized.tied_heads_on(self.device_mesh),
             weights_only=weights_only,
         )
         self._rng_state_to_restore = take_rank_state(

@@ -1,0 +1,262 @@
+"""Pretrained Hugging Face weights read straight into a split model: each rank reads only the bytes of its shards.
+
+``from_pretrained`` on every rank holds the whole model in each process's memory before any of it is split: a 70B
+model on a node of 8 ranks needs over 2 TB of host memory. Here the model is built with its parameters on the meta
+device (``parameters_on_meta``, buffers real, as accelerate's ``init_empty_weights`` does), split into its layout,
+materialized shard by shard, and only then filled: torch's distributed checkpoint plans which slice of each tensor
+every rank's shards hold, and ``SafetensorsReader`` reads those slices from the checkpoint's safetensors files at any
+fsspec URL with range reads (each file's header gives every tensor's offset). Rows a rank holds are one range; a
+slice along a later dimension (a row-parallel weight) reads the rows it spans.
+
+torch's own ``HuggingFaceStorageReader`` opens each file with ``safe_open``, a local path only: it does not serve
+``s3://`` or ``gs://``. Fused projections come back into their tensor-parallel order through the model's own
+``load_state_dict`` hooks, the same as lightdist's checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import posixpath
+import struct
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from fsspec.core import url_to_fs
+from torch import Tensor, nn
+from torch.distributed.checkpoint import Metadata, StorageReader
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.futures import Future
+
+__all__ = [
+    "PretrainedLoad",
+    "PretrainedWeights",
+    "SafetensorsReader",
+    "load_pretrained",
+    "parameters_on_meta",
+]
+
+INDEX = "model.safetensors.index.json"
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class PretrainedWeights:
+    """Where a LightningModule's starting weights are: the Hugging Face checkpoint directory at ``url`` (a path or any
+    fsspec URL), whose names are those of the module's parameters under ``prefix`` (``"model."`` for a model held
+    as ``self.model``). ``new`` names parameters the checkpoint lacks on purpose (a new head): they keep their
+    initialisation."""
+
+    url: str
+    prefix: str = ""
+    new: tuple[str, ...] = ()
+
+
+@dataclass
+class PretrainedLoad:
+    """What filling a model from a checkpoint did on this rank."""
+
+    url: str
+    bytes_read: int
+    seconds: float
+    initialised: list[str] = field(default_factory=list)  # parameters named new, kept as initialised
+
+    def summary(self) -> str:
+        kept = f"; initialised, not in it: {', '.join(self.initialised)}" if self.initialised else ""
+        read = f"{self.bytes_read / 2**20:.1f} MiB read on this rank in {self.seconds:.1f} s"
+        return f"weights from {self.url}: {read}{kept}"
+
+
+@dataclass(frozen=True)
+class _Stored:
+    file: str
+    start: int  # the byte where the tensor's data begins in its file
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class SafetensorsReader(StorageReader):
+    """torch's distributed checkpoint reads a Hugging Face safetensors checkpoint at any fsspec URL through this: the
+    index and each file's header, then for every slice a rank asks for, the byte range of the rows it spans."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.url = url
+        self.fs, self.path = url_to_fs(url)
+        self.bytes_read = 0
+        self.stored: dict[str, _Stored] = {}
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+    def read_metadata(self) -> Metadata:
+        if not self.stored:
+            for file in self._files():
+                self._read_header(file)
+        return Metadata(
+            state_dict_metadata={
+                name: TensorStorageMetadata(
+                    TensorProperties(dtype=stored.dtype),
+                    torch.Size(stored.shape),
+                    [ChunkStorageMetadata(torch.Size([0] * len(stored.shape)), torch.Size(stored.shape))],
+                )
+                for name, stored in self.stored.items()
+            },
+            storage_data={MetadataIndex(name): stored for name, stored in self.stored.items()},
+        )
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        for item in plan.items:
+            stored = self.stored[item.storage_index.fqn]
+            first, rows = (item.storage_offsets[0], item.lengths[0]) if stored.shape else (0, 1)
+            row_bytes = math.prod(stored.shape[1:]) * stored.dtype.itemsize
+            start = stored.start + first * row_bytes
+            data = self._read(stored.file, start, start + rows * row_bytes)
+            spanned = (
+                torch.frombuffer(bytearray(data), dtype=stored.dtype) if data else torch.empty(0, dtype=stored.dtype)
+            )
+            spanned = spanned.reshape(rows, *stored.shape[1:]) if stored.shape else spanned.reshape(())
+            within = tuple(
+                slice(offset, offset + length)
+                for offset, length in zip(item.storage_offsets[1:], item.lengths[1:], strict=True)
+            )
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(spanned[(slice(None), *within)] if stored.shape else spanned)
+            planner.commit_tensor(item, target)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _files(self) -> list[str]:
+        index = posixpath.join(self.path, INDEX)
+        if self.fs.exists(index):
+            weight_map = json.loads(self._read(index))["weight_map"]
+            return [posixpath.join(self.path, name) for name in sorted(set(weight_map.values()))]
+        files = sorted(self.fs.glob(posixpath.join(self.path, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(
+                f"{self.url} holds no safetensors checkpoint: neither {INDEX} nor a *.safetensors file. Point it at a "
+                "directory written by save_pretrained (safetensors, the default since transformers 4.35)."
+            )
+        return files
+
+    def _read_header(self, file: str) -> None:
+        try:
+            size = self.fs.size(file)
+        except FileNotFoundError as error:
+            raise FileNotFoundError(
+                f"{self.url}: {INDEX} names {posixpath.basename(file)}, which is missing."
+            ) from error
+        (length,) = struct.unpack("<Q", self._read(file, 0, 8))
+        header = json.loads(self._read(file, 8, 8 + length))
+        header.pop("__metadata__", None)
+        for name, entry in header.items():
+            begin, end = entry["data_offsets"]
+            if 8 + length + end > size:
+                raise ValueError(
+                    f"{posixpath.basename(file)} in {self.url} is truncated: {name} ends at byte {8 + length + end} "
+                    f"of a file of {size}. Copy the checkpoint again."
+                )
+            self.stored[name] = _Stored(file, 8 + length + begin, _DTYPES[entry["dtype"]], tuple(entry["shape"]))
+
+    def _read(self, file: str, start: int | None = None, end: int | None = None) -> bytes:
+        data = self.fs.cat_file(file, start=start, end=end)
+        self.bytes_read += len(data)
+        return data
+
+
+def load_pretrained(
+    model: nn.Module, weights: PretrainedWeights, aliases: dict[str, str] | None = None
+) -> PretrainedLoad:
+    """Fill ``model``'s parameters, whole or split over the ranks (every rank calls this), from the checkpoint of
+    ``weights``, each rank reading only its shards' bytes. ``aliases``: a parameter name this rank holds in place of
+    another's, which the checkpoint saves it under (a head tied to the embedding, on the pipeline's last stage)."""
+    began = time.perf_counter()
+    reader = SafetensorsReader(weights.url)
+    stored = reader.read_metadata().state_dict_metadata
+    state = get_model_state_dict(model)
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    first_name = {id(parameter): name for name, parameter in reversed(parameters.items())}
+    wanted: dict[str, Tensor] = {}
+    missing, initialised = [], []
+    for name, tensor in state.items():
+        key = (aliases or {}).get(name, name).removeprefix(weights.prefix)
+        if key in stored:
+            if tuple(stored[key].size) != tuple(tensor.shape):
+                raise ValueError(
+                    f"{name} has shape {tuple(tensor.shape)} in the model and {tuple(stored[key].size)} in "
+                    f"{weights.url} ({key}): the checkpoint is of another model or config."
+                )
+            wanted[key] = tensor
+        elif name in weights.new:
+            initialised.append(name)
+        elif name in parameters and first_name[id(parameters[name])] == name:
+            missing.append(name)
+    if missing:
+        raise ValueError(
+            f"{weights.url} lacks {len(missing)} of the model's weights: {', '.join(missing[:6])}"
+            f"{', ...' if len(missing) > 6 else ''} (looked up as {missing[0].removeprefix(weights.prefix)!r}). "
+            "Check that the checkpoint is of this model and that the names' prefix is right; weights the model adds "
+            "(a new head) are listed in `new` and keep their initialisation."
+        )
+    with warnings.catch_warnings():  # that one process loads alone is what is meant
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(wanted, storage_reader=reader, no_dist=not dist.is_initialized())
+    set_model_state_dict(model, state)
+    return PretrainedLoad(weights.url, reader.bytes_read, time.perf_counter() - began, initialised)
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Within, every parameter a module registers goes to the meta device, its buffers stay real (rotary tables
+    computed at construction, which no checkpoint holds): the model takes no memory until it is split."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, parameter: nn.Parameter | None) -> None:
+        if parameter is not None and not parameter.is_meta:
+            parameter = type(parameter)(parameter.to("meta"), requires_grad=parameter.requires_grad)
+        register(module, name, parameter)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register

@@ -1,0 +1,190 @@
+"""Pretrained Hugging Face weights read straight into any layout: each rank reads only its shards' bytes, from local
+disk or object storage, and holds what ``from_pretrained`` in one process holds."""
+
+from __future__ import annotations
+
+import json
+import struct
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from lightning.pytorch import Trainer
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.utils.data import DataLoader
+
+from lightdist.models import HuggingFaceCausalLM
+from lightdist.plugins import ParallelStrategy
+
+from multirank import run_ranks
+from zoo import HF_TINY, HF_TINY_GPT2
+
+FAMILIES = {
+    "llama": dict(HF_TINY, model_type="llama", num_key_value_heads=2),
+    "qwen2": dict(HF_TINY, model_type="qwen2", num_key_value_heads=2),
+    # q, k and v fused in qkv_proj, gate and up in gate_up_proj: reordered for tensor parallelism as they are read
+    "phi3": dict(HF_TINY, model_type="phi3", num_key_value_heads=2, pad_token_id=0),
+    # Conv1D, q, k and v fused in c_attn, the head tied to the embedding (saved once)
+    "gpt2": HF_TINY_GPT2,
+}
+
+
+def save_checkpoint(directory: Path, family: str) -> Path:
+    """A randomly initialised model of ``family`` saved as people download them: safetensors in several shards with
+    their index."""
+    torch.manual_seed(0)
+    options = dict(FAMILIES[family])
+    config = transformers.AutoConfig.for_model(options.pop("model_type"), **options)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(directory / family, max_shard_size="100KB")
+    return directory / family
+
+
+def from_pretrained(directory: Path) -> dict[str, torch.Tensor]:
+    """What one process's ``from_pretrained`` holds, by the LightningModule's names."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
+    return {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
+
+
+def windows() -> DataLoader:
+    return DataLoader(torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(0)), batch_size=4)
+
+
+def filled(cases: list[tuple[str, dict]], devices: int) -> list[tuple[dict[str, torch.Tensor], int, bool]]:
+    """For each checkpoint URL and layout: the weights a ``HuggingFaceCausalLM(pretrained=url)`` holds once the
+    strategy filled it (this rank's pipeline stage's), the bytes this rank read, and whether it is in train mode."""
+    results = []
+    for url, options in cases:
+        module = HuggingFaceCausalLM(pretrained=url)
+        strategy = ParallelStrategy(**options)
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=devices,
+            strategy=strategy,
+            limit_val_batches=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.validate(module, windows(), verbose=False)
+        state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+        weights = {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
+        results.append((weights, strategy.pretrained_load.bytes_read, module.model.training))
+    return results
+
+
+def checkpoint_bytes(directory: Path) -> tuple[int, int]:
+    """The bytes of a checkpoint's tensors, and of everything else a reader reads: headers and the index."""
+    tensors = other = 0
+    for file in directory.glob("*.safetensors"):
+        with file.open("rb") as stream:
+            (header,) = struct.unpack("<Q", stream.read(8))
+        tensors += file.stat().st_size - 8 - header
+        other += 8 + header
+    return tensors, other + (directory / "model.safetensors.index.json").stat().st_size
+
+
+LAYOUTS_2 = {
+    "llama_zero3": ("llama", dict(zero_stage=3)),
+    "phi3_tp2_fused_projections": ("phi3", dict(tensor_parallel_size=2)),
+    "gpt2_tp2_conv1d_fused_qkv_tied": ("gpt2", dict(tensor_parallel_size=2, sequence_parallel=False)),
+    "qwen2_pp2": ("qwen2", dict(pipeline_parallel_size=2)),
+    "gpt2_pp2_head_tied_across_stages": ("gpt2", dict(pipeline_parallel_size=2)),
+}
+LAYOUTS_4 = {
+    "llama_pp2_tp2": ("llama", dict(pipeline_parallel_size=2, tensor_parallel_size=2)),
+    "phi3_tp2_dp2_zero3": ("phi3", dict(tensor_parallel_size=2, zero_stage=3)),
+}
+
+
+@cache
+def filled_from_local(directory: Path, devices: int) -> tuple[dict[str, tuple], dict[str, Path]]:
+    """Every layout of ``devices`` ranks filled in one group of ranks: the weights (all stages'), each rank's bytes
+    read and whether all were in train mode, by layout; and the checkpoints, by family."""
+    layouts = LAYOUTS_2 if devices == 2 else LAYOUTS_4
+    checkpoints = {family: save_checkpoint(directory / str(devices), family) for family, _ in layouts.values()}
+    cases = [(str(checkpoints[family]), options) for family, options in layouts.values()]
+    ranks = run_ranks(devices, filled, cases, devices, timeout=600)
+    results = {}
+    for index, name in enumerate(layouts):
+        weights = {}
+        for rank in ranks:
+            weights.update(rank[index][0])
+        results[name] = (weights, [rank[index][1] for rank in ranks], all(rank[index][2] for rank in ranks))
+    return results, checkpoints
+
+
+@pytest.fixture(scope="module")
+def checkpoints_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("pretrained")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("devices", "name"), [(2, name) for name in LAYOUTS_2] + [(4, name) for name in LAYOUTS_4])
+def test_each_layout_holds_what_from_pretrained_holds(checkpoints_dir: Path, devices: int, name: str) -> None:
+    results, checkpoints = filled_from_local(checkpoints_dir, devices)
+    weights, _, in_train_mode = results[name]
+    expected = from_pretrained(checkpoints[(LAYOUTS_2 if devices == 2 else LAYOUTS_4)[name][0]])
+    assert weights.keys() == expected.keys()
+    for key, tensor in expected.items():
+        torch.testing.assert_close(weights[key], tensor, rtol=0, atol=0, msg=key)
+    assert in_train_mode
+
+
+@pytest.mark.multirank
+def test_under_zero3_each_rank_reads_its_half_of_the_bytes(checkpoints_dir: Path) -> None:
+    results, checkpoints = filled_from_local(checkpoints_dir, 2)
+    _, bytes_read, _ = results["llama_zero3"]
+    tensors, other = checkpoint_bytes(checkpoints["llama"])
+    for read in bytes_read:
+        assert read <= tensors / 2 + other
+    assert sum(bytes_read) >= tensors  # and between them, all of it
+
+
+@pytest.mark.multirank
+def test_weights_come_from_s3_and_gcs(tmp_path: Path, s3_bucket, gcs_bucket) -> None:
+    checkpoint = save_checkpoint(tmp_path, "gpt2")
+    expected = from_pretrained(checkpoint)
+    for bucket, storage in (s3_bucket, gcs_bucket):
+        storage.put(str(checkpoint), f"{bucket.split('://')[1]}/gpt2", recursive=True)
+        ranks = run_ranks(2, filled, [(f"{bucket}/gpt2", dict(zero_stage=3))], 2, timeout=600)
+        for key, tensor in expected.items():
+            torch.testing.assert_close(ranks[0][0][0][key], tensor, rtol=0, atol=0, msg=key)
+
+
+def test_without_lightdist_the_module_reads_the_whole_model_in_configure_model(tmp_path: Path) -> None:
+    """Plain Lightning, one process: the same wrapper, the same weights, in train mode."""
+    checkpoint = save_checkpoint(tmp_path, "gpt2")
+    module = HuggingFaceCausalLM(pretrained=str(checkpoint))
+    assert all(parameter.is_meta for parameter in module.parameters())  # nothing allocated before the trainer
+    trainer = Trainer(accelerator="cpu", devices=1, limit_val_batches=1, logger=False, enable_progress_bar=False)
+    trainer.validate(module, windows(), verbose=False)
+    for key, tensor in from_pretrained(checkpoint).items():
+        torch.testing.assert_close(module.state_dict()[key], tensor, rtol=0, atol=0, msg=key)
+    assert module.model.training
+
+
+def test_a_checkpoint_of_another_config_is_refused_naming_the_weight_and_both_shapes(tmp_path: Path) -> None:
+    checkpoint = save_checkpoint(tmp_path, "llama")
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps(dict(config, intermediate_size=128)))
+    trainer = Trainer(accelerator="cpu", devices=1, limit_val_batches=1, logger=False, enable_progress_bar=False)
+    with pytest.raises(
+        ValueError, match=r"model.model.layers.0.mlp.gate_proj.weight has shape \(128, 64\) in the model"
+    ):
+        trainer.validate(HuggingFaceCausalLM(pretrained=str(checkpoint)), windows(), verbose=False)
+
+
+def test_a_missing_shard_and_a_truncated_one_are_named(tmp_path: Path) -> None:
+    checkpoint = save_checkpoint(tmp_path, "llama")
+    shards = sorted(checkpoint.glob("*.safetensors"))
+    shards[0].unlink()
+    trainer = Trainer(accelerator="cpu", devices=1, limit_val_batches=1, logger=False, enable_progress_bar=False)
+    with pytest.raises(FileNotFoundError, match=rf"names {shards[0].name}, which is missing"):
+        trainer.validate(HuggingFaceCausalLM(pretrained=str(checkpoint)), windows(), verbose=False)
+    save_checkpoint(tmp_path, "llama")
+    shards[1].write_bytes(shards[1].read_bytes()[:-100])
+    with pytest.raises(ValueError, match=rf"{shards[1].name} in .* is truncated"):
+        trainer.validate(HuggingFaceCausalLM(pretrained=str(checkpoint)), windows(), verbose=False)
