@@ -298,9 +298,10 @@ def materialize(model: nn.Module, device: torch.device, *, filled_after: bool = 
     initialize each module's by its ``reset_parameters``: a model too big for one device is built on meta
     (``trainer.init_module(empty_init=True)``, ``configure_model``) and only ever allocates its own shards.
 
-    Buffers built on a device (a model built with ``lightdist.pretrained.parameters_on_meta``) keep their values. A
-    module with weights on meta and no ``reset_parameters`` keeps uninitialized memory; it is named in a warning,
-    unless the weights are ``filled_after`` from a checkpoint."""
+    Buffers built on a device (a model built with ``lightdist.pretrained.parameters_on_meta``) keep their values, and
+    weights shared by several modules stay shared. A module with weights on meta that ``_initialize`` cannot
+    initialize keeps uninitialized memory; it is named in a warning, unless the weights are ``filled_after`` from a
+    checkpoint."""
     on_meta = [
         module
         for module in model.modules()
@@ -321,18 +322,27 @@ def materialize(model: nn.Module, device: torch.device, *, filled_after: bool = 
         if model.get_parameter(name) is not model.get_parameter(first):
             owner, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(owner), leaf, model.get_parameter(first))
-    uninitialized = set()
-    for module in on_meta:
-        if callable(reset := getattr(module, "reset_parameters", None)):
-            reset()
-        else:
-            uninitialized.add(type(module).__name__)
+    uninitialized = {type(module).__name__ for module in on_meta if not _initialize(module, device)}
     if uninitialized and not filled_after:
         warnings.warn(
             f"lightdist: {', '.join(sorted(uninitialized))} built on the meta device have no reset_parameters(), so "
             "their weights are uninitialized memory. Give them a reset_parameters(), or build the model on a device.",
             stacklevel=2,
         )
+
+
+def _initialize(module: nn.Module, device: torch.device) -> bool:
+    """Give a module materialized from the meta device its starting values: by its ``reset_parameters``, or, for one
+    holding buffers only and built from a ``config`` (Hugging Face's rotary embeddings), by building it again on
+    ``device``. False where neither applies."""
+    if callable(reset := getattr(module, "reset_parameters", None)):
+        reset()
+        return True
+    if hasattr(module, "config") and next(module.parameters(), None) is None:
+        with torch.device(device):
+            module.__init__(module.config)
+        return True
+    return False
 
 
 def _keep_user_split(

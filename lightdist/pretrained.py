@@ -21,7 +21,7 @@ import posixpath
 import struct
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +51,7 @@ __all__ = [
 ]
 
 INDEX = "model.safetensors.index.json"
+READ_BYTES = 16 * 2**20  # the most one range read holds in memory beside the model
 _DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -68,9 +69,9 @@ _DTYPES = {
 @dataclass(frozen=True)
 class PretrainedWeights:
     """Where a LightningModule's starting weights are: the Hugging Face checkpoint directory at ``url`` (a path or any
-    fsspec URL), whose names are those of the module's parameters under ``prefix`` (``"model."`` for a model held
-    as ``self.model``). ``new`` names parameters the checkpoint lacks on purpose (a new head): they keep their
-    initialisation."""
+    fsspec URL), whose names are those of the module's parameters under the module path ``prefix`` (``"model"`` for
+    a model held as ``self.model``). ``new`` names parameters the checkpoint lacks on purpose (a new head): they keep
+    their initialisation."""
 
     url: str
     prefix: str = ""
@@ -145,25 +146,28 @@ class SafetensorsReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         for item in plan.items:
-            stored = self.stored[item.storage_index.fqn]
-            first, rows = (item.storage_offsets[0], item.lengths[0]) if stored.shape else (0, 1)
-            row_bytes = math.prod(stored.shape[1:]) * stored.dtype.itemsize
-            start = stored.start + first * row_bytes
-            data = self._read(stored.file, start, start + rows * row_bytes)
-            spanned = (
-                torch.frombuffer(bytearray(data), dtype=stored.dtype) if data else torch.empty(0, dtype=stored.dtype)
-            )
-            spanned = spanned.reshape(rows, *stored.shape[1:]) if stored.shape else spanned.reshape(())
-            within = tuple(
-                slice(offset, offset + length)
-                for offset, length in zip(item.storage_offsets[1:], item.lengths[1:], strict=True)
-            )
             target = planner.resolve_tensor(item).detach()
-            target.copy_(spanned[(slice(None), *within)] if stored.shape else spanned)
+            self._read_into(target, self.stored[item.storage_index.fqn], item.storage_offsets, item.lengths)
             planner.commit_tensor(item, target)
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _read_into(self, target: Tensor, stored: _Stored, offsets: Sequence[int], lengths: Sequence[int]) -> None:
+        """Fill ``target`` with the slice of ``stored`` at ``offsets`` of ``lengths``: the rows it spans, read a
+        range of at most ``READ_BYTES`` at a time, so that no more than that is held beside the model."""
+        if not stored.shape:  # a scalar
+            data = self._read(stored.file, stored.start, stored.start + stored.dtype.itemsize)
+            target.copy_(_tensor_of(data, stored.dtype).reshape(()))
+            return
+        row_bytes = math.prod(stored.shape[1:]) * stored.dtype.itemsize
+        within = tuple(slice(offset, offset + length) for offset, length in zip(offsets[1:], lengths[1:], strict=True))
+        step = max(1, READ_BYTES // max(row_bytes, 1))
+        for done in range(0, lengths[0], step):
+            rows = min(step, lengths[0] - done)
+            start = stored.start + (offsets[0] + done) * row_bytes
+            spanned = _tensor_of(self._read(stored.file, start, start + rows * row_bytes), stored.dtype)
+            target[done : done + rows].copy_(spanned.reshape(rows, *stored.shape[1:])[(slice(None), *within)])
 
     def _files(self) -> list[str]:
         index = posixpath.join(self.path, INDEX)
@@ -203,6 +207,15 @@ class SafetensorsReader(StorageReader):
         return data
 
 
+def _tensor_of(data: bytes, dtype: torch.dtype) -> Tensor:
+    """The tensor ``data`` holds, without copying it: it is only read, into the model's own tensors."""
+    if not data:
+        return torch.empty(0, dtype=dtype)
+    with warnings.catch_warnings():  # torch warns that bytes are read-only: nothing writes to them
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        return torch.frombuffer(data, dtype=dtype)
+
+
 def load_pretrained(
     model: nn.Module, weights: PretrainedWeights, aliases: dict[str, str] | None = None
 ) -> PretrainedLoad:
@@ -217,8 +230,9 @@ def load_pretrained(
     first_name = {id(parameter): name for name, parameter in reversed(parameters.items())}
     wanted: dict[str, Tensor] = {}
     missing, initialised = [], []
+    prefix = f"{weights.prefix.rstrip('.')}." if weights.prefix else ""
     for name, tensor in state.items():
-        key = (aliases or {}).get(name, name).removeprefix(weights.prefix)
+        key = (aliases or {}).get(name, name).removeprefix(prefix)
         if key in stored:
             if tuple(stored[key].size) != tuple(tensor.shape):
                 raise ValueError(
@@ -233,7 +247,7 @@ def load_pretrained(
     if missing:
         raise ValueError(
             f"{weights.url} lacks {len(missing)} of the model's weights: {', '.join(missing[:6])}"
-            f"{', ...' if len(missing) > 6 else ''} (looked up as {missing[0].removeprefix(weights.prefix)!r}). "
+            f"{', ...' if len(missing) > 6 else ''} (looked up as {missing[0].removeprefix(prefix)!r}). "
             "Check that the checkpoint is of this model and that the names' prefix is right; weights the model adds "
             "(a new head) are listed in `new` and keep their initialisation."
         )

@@ -61,7 +61,7 @@ class HuggingFaceCausalLM(CausalLM):
         on_meta = any(parameter.is_meta for parameter in self.parameters())
         if self.pretrained_weights is None or not on_meta or isinstance(self.trainer.strategy, ParallelStrategy):
             return
-        materialize(self, self.device, filled_after=True)
+        materialize(self.model, self.device, filled_after=True)
         load_pretrained(self, self.pretrained_weights)
 
     def forward(self, tokens: Tensor) -> Tensor:

@@ -3,52 +3,46 @@
 On the mesh ``MeshStrategy`` builds (``mesh_strategy.py``), it splits the LightningModule with
 ``lightdist.parallelize`` and runs each step as Lightning does (every rank runs the whole step on its shards) or,
 under a pipeline, through the schedule's runner (``pipeline_step.py``), which then owns the step's backward as
-DeepSpeed's engine does under Lightning. Checkpoints are written by ``ShardedCheckpointIO`` (``checkpoint_io.py``).
+DeepSpeed's engine does under Lightning. Its base ``CheckpointingStrategy`` (``checkpointing_strategy.py``) saves and
+loads the sharded checkpoints.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
-from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightdist.activation_checkpointing import ActivationCheckpointing
-from lightdist.async_checkpoint import AsyncMode, buffers_copied
+from lightdist.async_checkpoint import AsyncMode
 from lightdist.listed_experts import experts_held_apart
 from lightdist.loss_parallel import vocab_parallel_cross_entropy
-from lightdist.parallelize import ModelHolder, ParallelConfig, Parallelized, materialize, parallelize
+from lightdist.parallelize import ModelHolder, ParallelConfig, materialize, parallelize
 from lightdist.pipeline.schedules import PipelineSchedule
 from lightdist.pipeline.structural import clip_grads, grad_norm_across_stages
 from lightdist.pipeline.traced import share_model_buffers
 from lightdist.plugins.auto_layout import LayoutRequest
-from lightdist.plugins.checkpoint_io import ShardedCheckpointIO
+from lightdist.plugins.checkpointing_strategy import CheckpointingStrategy
 from lightdist.plugins.lightning_internals import skip_lightning_backward
-from lightdist.plugins.mesh_strategy import MeshStrategy
 from lightdist.plugins.metric_sync import metrics_set_aside, reduce_metrics_over, refuse_metrics_on_meta
 from lightdist.plugins.non_finite import NonFiniteGuard, NonFinitePolicy, NonFiniteStep
 from lightdist.plugins.options import validate_options
 from lightdist.plugins.pipeline_step import PipelineStep, example_model_call, pipeline_step_over
-from lightdist.plugins.rank_state import deal_samples_in_turn, gather_rank_states, take_rank_state
 from lightdist.plugins.run_header import announce_run
 from lightdist.plugins.strategy_names import STRATEGY_NAMES
 from lightdist.plugins.token_weights import TokenWeights
-from lightdist.pretrained import PretrainedLoad, load_pretrained
-from lightdist.rng import set_rng_state
+from lightdist.pretrained import PretrainedLoad, PretrainedWeights, load_pretrained
 from lightdist.sharding import ShardedOptimizer, ZeroStage, optimizer_states_to, step_mixed_meshes_per_tensor
 from lightdist.storage import configure, resolve
-from lightdist.tensor_parallel import TensorParallelStyle, reorder_optimizer_state
+from lightdist.tensor_parallel import TensorParallelStyle
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -59,7 +53,7 @@ if TYPE_CHECKING:
 __all__ = ["ParallelStrategy"]
 
 
-class ParallelStrategy(MeshStrategy):
+class ParallelStrategy(CheckpointingStrategy):
     """Train any LightningModule LLM with ZeRO/FSDP data parallelism on a ``("pp", "dp", "tp")`` DeviceMesh.
 
     Args:
@@ -73,6 +67,10 @@ class ParallelStrategy(MeshStrategy):
         zero_stage, pipeline_schedule, virtual_stages, microbatches, pipeline_split, pipeline_tracer,
         activation_checkpointing, sequence_parallel, loss_parallel, cpu_offload, tp_plan, compile,
         expert_parallel_size: How the model is split: ``lightdist.parallelize.ParallelConfig`` documents each.
+        pretrained, pretrained_prefix: A Hugging Face checkpoint directory (``save_pretrained``, a path or any fsspec
+            URL) the run starts from: once split, the model is filled from it, each rank reading only its shards'
+            bytes (``lightdist.pretrained``; a resume reads the run's own checkpoint instead). The checkpoint's names
+            are those of the parameters under ``pretrained_prefix``, e.g. ``"model"`` for ``self.model``.
         async_checkpoint: How checkpoints saved during ``fit`` upload behind training once staged in CPU memory:
             ``"process"`` (DCP's daemon process per rank, free of the training process's GIL), ``"thread"``, or
             ``None`` to save before training goes on.
@@ -110,6 +108,8 @@ class ParallelStrategy(MeshStrategy):
         compile: bool = False,
         expert_parallel_size: int = 1,
         async_checkpoint: AsyncMode | None = "process",
+        pretrained: str | None = None,
+        pretrained_prefix: str = "",
         storage_options: dict[str, dict[str, Any]] | None = None,
         non_finite: NonFinitePolicy | None = None,
         collective_timeout: float = 1800.0,
@@ -133,16 +133,14 @@ class ParallelStrategy(MeshStrategy):
             expert_parallel_size=expert_parallel_size,
         )
         validate_options(sizes, config, async_checkpoint, storage_options, non_finite, collective_timeout)
-        super().__init__(sizes, config, collective_timeout, process_group_backend)
+        super().__init__(sizes, config, collective_timeout, process_group_backend, async_checkpoint)
         # Applied now: Lightning looks for ckpt_path="last" before any strategy hook runs. Every rank's process builds
         # the strategy (the script runs in each, under torchrun and Lightning's launcher alike).
         configure(storage_options or {})
-        self._sharded_io = ShardedCheckpointIO(async_checkpoint)
         self._non_finite = NonFiniteGuard(non_finite)
-        self._parallelized: Parallelized | None = None
         self.pipeline_step: PipelineStep | None = None  # runs this rank's pipeline stages; its clock times the bubble
         self._token_weights: TokenWeights | None = None
-        self._rng_state_to_restore: dict[str, Any] | None = None
+        self._pretrained = PretrainedWeights(pretrained, prefix=pretrained_prefix) if pretrained else None
         self.pretrained_load: PretrainedLoad | None = None  # what this rank read of the pretrained weights
         self.planned_memory: Estimate | None = None  # the planner's, on rank 0: TrainingMonitor logs it beside its own
 
@@ -158,7 +156,7 @@ class ParallelStrategy(MeshStrategy):
         refuse_metrics_on_meta(self.lightning_module)
         self.model = self._parallelize(self.lightning_module)
         reduce_metrics_over(self.lightning_module, self.device_mesh["dp"].get_group())
-        weights = getattr(self.lightning_module, "pretrained_weights", None)  # lightdist.pretrained.PretrainedWeights
+        weights = self._pretrained or getattr(self.lightning_module, "pretrained_weights", None)  # PretrainedWeights
         with metrics_set_aside(self.lightning_module):
             materialize(self.model, self.root_device, filled_after=weights is not None)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -304,88 +302,6 @@ class ParallelStrategy(MeshStrategy):
     def _clip_grad_norm_across_stages(self, optimizer: Optimizer, clip_val: float) -> None:
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         clip_grads(parameters, clip_val, self.gradient_norm(optimizer))
-
-    @property
-    @override
-    def checkpoint_io(self) -> ShardedCheckpointIO:
-        return self._sharded_io
-
-    @checkpoint_io.setter
-    @override
-    def checkpoint_io(self, io: CheckpointIO) -> None:
-        self._sharded_io = ShardedCheckpointIO.refusing_others(io)  # from Trainer(plugins=[...]), as it is built
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.lightning_module)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer.optimizer
-        state = get_optimizer_state_dict(self.lightning_module, optimizer)
-        return reorder_optimizer_state(self.lightning_module, state, to_model_layout=True)
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
-    ) -> None:
-        """Save sharded: every rank writes its shards straight to ``filepath``, a path or any fsspec URL.
-
-        While ``fit`` runs, the save returns once the state is staged in CPU memory and the upload goes on behind
-        training (``async_checkpoint``); a save outside ``fit`` returns when the checkpoint is complete.
-        """
-        trainer = self.lightning_module.trainer
-        in_turn = deal_samples_in_turn(trainer.train_dataloader)
-        gather_rank_states(checkpoint, self.root_device, self.layout, self._data_parallel, in_turn)
-        checkpoint["state_dict"] = buffers_copied(self.lightning_module, checkpoint["state_dict"])
-        url = self.broadcast(str(filepath))  # rank 0's path, so every rank writes into one checkpoint
-        running = trainer.state.status == TrainerStatus.RUNNING
-        self.checkpoint_io.save_checkpoint(checkpoint, url, storage_options, background=running)
-        self.checkpoint_io.log_failures(trainer.loggers, trainer.global_step)
-
-    @override
-    def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
-        self.checkpoint_io.remove_checkpoint(filepath)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded checkpoint of any ZeRO stage and layout, keyed by the LightningModule's own parameter
-        names, from a path or any fsspec URL, or from a pointer to one."""
-        url = self.broadcast(str(checkpoint_path))
-        module = self.lightning_module
-        checkpoint = self.checkpoint_io.load_training_state(
-            url,
-            module,
-            self.optimizers,
-            strict=module.strict_loading,
-            tied_names=self._parallelized.tied_heads_on(self.device_mesh),
-            weights_only=weights_only,
-        )
-        self._rng_state_to_restore = take_rank_state(
-            checkpoint, rank=self.global_rank, layout=self.layout, data_parallel=self._data_parallel
-        )
-        return checkpoint
-
-    @override
-    def on_train_start(self) -> None:
-        """Each rank takes back its random state from the checkpoint it resumes, here rather than on load: creating
-        the data loader's iterator draws a number, as it did before the saved run's first step."""
-        super().on_train_start()
-        if self._rng_state_to_restore is not None:
-            set_rng_state(self._rng_state_to_restore, self.root_device)
-            self._rng_state_to_restore = None
-
-    @override
-    def teardown(self) -> None:
-        if self.checkpoint_io.in_use and self.lightning_module is not None:
-            self.checkpoint_io.wait()  # the last upload finishes before the process may exit
-            trainer = self.lightning_module.trainer
-            self.checkpoint_io.log_failures(trainer.loggers, trainer.global_step)
-            if trainer.state.status == TrainerStatus.RUNNING:  # not after an error
-                # Rank 0 alone commits and writes last.ckpt: once fit returns, every rank finds them written.
-                self.barrier("lightdist: last checkpoint complete")
-        super().teardown()  # ShardedCheckpointIO.teardown waits for the uploads in any case
 
     @classmethod
     @override

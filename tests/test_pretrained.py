@@ -3,15 +3,19 @@ disk or object storage, and holds what ``from_pretrained`` in one process holds.
 
 from __future__ import annotations
 
+import gc
 import json
 import struct
+import threading
+import time
 from functools import cache
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import transformers
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import DataLoader
 
@@ -28,6 +32,16 @@ FAMILIES = {
     "phi3": dict(HF_TINY, model_type="phi3", num_key_value_heads=2, pad_token_id=0),
     # Conv1D, q, k and v fused in c_attn, the head tied to the embedding (saved once)
     "gpt2": HF_TINY_GPT2,
+    # 0.14B parameters, 0.53 GiB in fp32: big enough that each rank's share of it shows in its resident memory
+    "llama_0.14b": dict(
+        model_type="llama",
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+    ),
 }
 
 
@@ -52,27 +66,63 @@ def windows() -> DataLoader:
     return DataLoader(torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(0)), batch_size=4)
 
 
-def filled(cases: list[tuple[str, dict]], devices: int) -> list[tuple[dict[str, torch.Tensor], int, bool]]:
-    """For each checkpoint URL and layout: the weights a ``HuggingFaceCausalLM(pretrained=url)`` holds once the
-    strategy filled it (this rank's pipeline stage's), the bytes this rank read, and whether it is in train mode."""
+class OwnFineTuning(LightningModule):
+    """A user's module: a Hugging Face model built from its config as their code builds it, named by nothing but
+    ``ParallelStrategy(pretrained=..., pretrained_prefix="model")``."""
+
+    def __init__(self, checkpoint: str) -> None:
+        super().__init__()
+        config = transformers.AutoConfig.from_pretrained(checkpoint, local_files_only=True)
+        self.model = transformers.AutoModelForCausalLM.from_config(config)
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val_loss", self.model(input_ids=batch, labels=batch).loss, sync_dist=True)
+
+
+def module_of(kind: str, checkpoint: str, trainer: Trainer) -> LightningModule:
+    """``"wrapper"``: lightdist's ``HuggingFaceCausalLM(pretrained=...)``; ``"own"``: ``OwnFineTuning``, built on a
+    device; ``"own_on_meta"``: built under ``trainer.init_module(empty_init=True)``, its rotary tables on meta too."""
+    if kind == "wrapper":
+        return HuggingFaceCausalLM(pretrained=checkpoint)
+    if kind == "own":
+        return OwnFineTuning(checkpoint)
+    with trainer.init_module(empty_init=True):
+        return OwnFineTuning(checkpoint)
+
+
+def filled(cases: list[tuple[str, str, dict]], devices: int) -> list[tuple[dict[str, torch.Tensor], int, bool, float]]:
+    """For each kind of module (``module_of``), checkpoint URL and layout: the weights the module holds once the
+    strategy filled it (this rank's pipeline stage's), the bytes this rank read, whether it is in train mode, and
+    the validation loss."""
     results = []
-    for url, options in cases:
-        module = HuggingFaceCausalLM(pretrained=url)
+    for kind, url, options in cases:
+        if kind != "wrapper":
+            options = dict(options, pretrained=url, pretrained_prefix="model")
         strategy = ParallelStrategy(**options)
         trainer = Trainer(
             accelerator="cpu",
             devices=devices,
             strategy=strategy,
-            limit_val_batches=1,
             logger=False,
             enable_progress_bar=False,
             enable_model_summary=False,
         )
-        trainer.validate(module, windows(), verbose=False)
+        module = module_of(kind, url, trainer)
+        (validated,) = trainer.validate(module, windows(), verbose=False)
         state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
         weights = {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
-        results.append((weights, strategy.pretrained_load.bytes_read, module.model.training))
+        results.append((weights, strategy.pretrained_load.bytes_read, module.model.training, validated["val_loss"]))
     return results
+
+
+def single_process_val_loss(kind: str, checkpoint: Path) -> float:
+    """The validation loss of the same module holding ``from_pretrained``'s weights, in one process."""
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    module = HuggingFaceCausalLM(pretrained=str(checkpoint)) if kind == "wrapper" else OwnFineTuning(str(checkpoint))
+    if kind != "wrapper":
+        module.load_state_dict(from_pretrained(checkpoint))
+    (validated,) = trainer.validate(module, windows(), verbose=False)
+    return validated["val_loss"]
 
 
 def checkpoint_bytes(directory: Path) -> tuple[int, int]:
@@ -87,32 +137,36 @@ def checkpoint_bytes(directory: Path) -> tuple[int, int]:
 
 
 LAYOUTS_2 = {
-    "llama_zero3": ("llama", dict(zero_stage=3)),
-    "phi3_tp2_fused_projections": ("phi3", dict(tensor_parallel_size=2)),
-    "gpt2_tp2_conv1d_fused_qkv_tied": ("gpt2", dict(tensor_parallel_size=2, sequence_parallel=False)),
-    "qwen2_pp2": ("qwen2", dict(pipeline_parallel_size=2)),
-    "gpt2_pp2_head_tied_across_stages": ("gpt2", dict(pipeline_parallel_size=2)),
+    "llama_zero3": ("wrapper", "llama", dict(zero_stage=3)),
+    "phi3_tp2_fused_projections": ("wrapper", "phi3", dict(tensor_parallel_size=2)),
+    "gpt2_tp2_conv1d_fused_qkv_tied": ("wrapper", "gpt2", dict(tensor_parallel_size=2, sequence_parallel=False)),
+    "qwen2_pp2": ("wrapper", "qwen2", dict(pipeline_parallel_size=2)),
+    "gpt2_pp2_head_tied_across_stages": ("wrapper", "gpt2", dict(pipeline_parallel_size=2)),
+    "own_module_qwen2_zero3": ("own", "qwen2", dict(zero_stage=3)),
+    "own_module_on_meta_llama_tp2": ("own_on_meta", "llama", dict(tensor_parallel_size=2)),
 }
 LAYOUTS_4 = {
-    "llama_pp2_tp2": ("llama", dict(pipeline_parallel_size=2, tensor_parallel_size=2)),
-    "phi3_tp2_dp2_zero3": ("phi3", dict(tensor_parallel_size=2, zero_stage=3)),
+    "llama_pp2_tp2": ("wrapper", "llama", dict(pipeline_parallel_size=2, tensor_parallel_size=2)),
+    "phi3_tp2_dp2_zero3": ("wrapper", "phi3", dict(tensor_parallel_size=2, zero_stage=3)),
+    "own_module_on_meta_gpt2_pp2_dp2": ("own_on_meta", "gpt2", dict(pipeline_parallel_size=2)),
 }
 
 
 @cache
 def filled_from_local(directory: Path, devices: int) -> tuple[dict[str, tuple], dict[str, Path]]:
     """Every layout of ``devices`` ranks filled in one group of ranks: the weights (all stages'), each rank's bytes
-    read and whether all were in train mode, by layout; and the checkpoints, by family."""
+    read, whether all were in train mode and the validation loss, by layout; and the checkpoints, by family."""
     layouts = LAYOUTS_2 if devices == 2 else LAYOUTS_4
-    checkpoints = {family: save_checkpoint(directory / str(devices), family) for family, _ in layouts.values()}
-    cases = [(str(checkpoints[family]), options) for family, options in layouts.values()]
+    checkpoints = {family: save_checkpoint(directory / str(devices), family) for _, family, _ in layouts.values()}
+    cases = [(kind, str(checkpoints[family]), options) for kind, family, options in layouts.values()]
     ranks = run_ranks(devices, filled, cases, devices, timeout=600)
     results = {}
     for index, name in enumerate(layouts):
         weights = {}
         for rank in ranks:
             weights.update(rank[index][0])
-        results[name] = (weights, [rank[index][1] for rank in ranks], all(rank[index][2] for rank in ranks))
+        read, in_train_mode = [rank[index][1] for rank in ranks], all(rank[index][2] for rank in ranks)
+        results[name] = (weights, read, in_train_mode, ranks[0][index][3])
     return results, checkpoints
 
 
@@ -125,18 +179,21 @@ def checkpoints_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize(("devices", "name"), [(2, name) for name in LAYOUTS_2] + [(4, name) for name in LAYOUTS_4])
 def test_each_layout_holds_what_from_pretrained_holds(checkpoints_dir: Path, devices: int, name: str) -> None:
     results, checkpoints = filled_from_local(checkpoints_dir, devices)
-    weights, _, in_train_mode = results[name]
-    expected = from_pretrained(checkpoints[(LAYOUTS_2 if devices == 2 else LAYOUTS_4)[name][0]])
+    weights, _, in_train_mode, val_loss = results[name]
+    kind, family, _ = (LAYOUTS_2 if devices == 2 else LAYOUTS_4)[name]
+    expected = from_pretrained(checkpoints[family])
     assert weights.keys() == expected.keys()
     for key, tensor in expected.items():
         torch.testing.assert_close(weights[key], tensor, rtol=0, atol=0, msg=key)
     assert in_train_mode
+    # ... and computes what one process computes with them: buffers no checkpoint holds (rotary tables) included
+    assert val_loss == pytest.approx(single_process_val_loss(kind, checkpoints[family]), rel=1e-5)
 
 
 @pytest.mark.multirank
 def test_under_zero3_each_rank_reads_its_half_of_the_bytes(checkpoints_dir: Path) -> None:
     results, checkpoints = filled_from_local(checkpoints_dir, 2)
-    _, bytes_read, _ = results["llama_zero3"]
+    _, bytes_read, _, _ = results["llama_zero3"]
     tensors, other = checkpoint_bytes(checkpoints["llama"])
     for read in bytes_read:
         assert read <= tensors / 2 + other
@@ -149,7 +206,7 @@ def test_weights_come_from_s3_and_gcs(tmp_path: Path, s3_bucket, gcs_bucket) -> 
     expected = from_pretrained(checkpoint)
     for bucket, storage in (s3_bucket, gcs_bucket):
         storage.put(str(checkpoint), f"{bucket.split('://')[1]}/gpt2", recursive=True)
-        ranks = run_ranks(2, filled, [(f"{bucket}/gpt2", dict(zero_stage=3))], 2, timeout=600)
+        ranks = run_ranks(2, filled, [("wrapper", f"{bucket}/gpt2", dict(zero_stage=3))], 2, timeout=600)
         for key, tensor in expected.items():
             torch.testing.assert_close(ranks[0][0][0][key], tensor, rtol=0, atol=0, msg=key)
 
@@ -188,3 +245,47 @@ def test_a_missing_shard_and_a_truncated_one_are_named(tmp_path: Path) -> None:
     shards[1].write_bytes(shards[1].read_bytes()[:-100])
     with pytest.raises(ValueError, match=rf"{shards[1].name} in .* is truncated"):
         trainer.validate(HuggingFaceCausalLM(pretrained=str(checkpoint)), windows(), verbose=False)
+
+
+class PeakResident(Callback):
+    """The most resident memory this process held from its creation until validation starts (the model built,
+    split and filled), sampled every millisecond."""
+
+    def __init__(self) -> None:
+        self.process, self.peak, self.sampling = psutil.Process(), 0, True
+        self.sampler = threading.Thread(target=self._sample, daemon=True)
+        self.sampler.start()
+
+    def _sample(self) -> None:
+        while self.sampling:
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            time.sleep(0.001)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.sampling = False
+        self.sampler.join()
+
+
+def resident_growth(url: str, options: dict, devices: int) -> int:
+    """How far this rank's resident memory rose from before ``HuggingFaceCausalLM(pretrained=url)`` was built until
+    the strategy had filled it."""
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=ParallelStrategy(**options), logger=False)
+    gc.collect()
+    before = psutil.Process().memory_info().rss
+    peak = PeakResident()
+    trainer.callbacks.append(peak)
+    trainer.validate(HuggingFaceCausalLM(pretrained=url), windows(), verbose=False)
+    return peak.peak - before
+
+
+@pytest.mark.multirank
+def test_each_ranks_memory_falls_with_the_ranks_under_zero3_and_tp(tmp_path: Path) -> None:
+    """Each rank's resident memory grows by at most 1.25 x its share of the model plus one whole tensor (the
+    embedding), where ``from_pretrained`` on every rank holds the whole model: the build takes no memory, the
+    layout probe gives back what it freed, and reads are at most 16 MiB at a time."""
+    checkpoint = save_checkpoint(tmp_path, "llama_0.14b")
+    tensors, _ = checkpoint_bytes(checkpoint)
+    largest = 32000 * 1024 * 4
+    for devices, options in ((2, dict(zero_stage=3)), (2, dict(tensor_parallel_size=2)), (4, dict(zero_stage=3))):
+        for growth in run_ranks(devices, resident_growth, str(checkpoint), options, devices, timeout=600):
+            assert growth <= 1.25 * tensors / devices + largest, (devices, options, growth / 2**20)
