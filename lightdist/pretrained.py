@@ -46,6 +46,7 @@ __all__ = [
     "PretrainedLoad",
     "PretrainedWeights",
     "SafetensorsReader",
+    "check_pretrained",
     "load_pretrained",
     "parameters_on_meta",
 ]
@@ -216,6 +217,14 @@ def _tensor_of(data: bytes, dtype: torch.dtype) -> Tensor:
         return torch.frombuffer(data, dtype=dtype)
 
 
+def check_pretrained(model: nn.Module, weights: PretrainedWeights) -> None:
+    """Raise, naming the weight, where the checkpoint of ``weights`` lacks one of ``model``'s or holds it in another
+    shape: from the checkpoint's headers and the unsplit model, on the meta device or not, before any memory is
+    taken for it."""
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    _read_items(model.state_dict(keep_vars=True), parameters, SafetensorsReader(weights.url), weights, {})
+
+
 def load_pretrained(
     model: nn.Module, weights: PretrainedWeights, aliases: dict[str, str] | None = None
 ) -> PretrainedLoad:
@@ -224,15 +233,32 @@ def load_pretrained(
     another's, which the checkpoint saves it under (a head tied to the embedding, on the pipeline's last stage)."""
     began = time.perf_counter()
     reader = SafetensorsReader(weights.url)
-    stored = reader.read_metadata().state_dict_metadata
     state = get_model_state_dict(model)
     parameters = dict(model.named_parameters(remove_duplicate=False))
+    wanted, initialised = _read_items(state, parameters, reader, weights, aliases or {})
+    with warnings.catch_warnings():  # that one process loads alone is what is meant
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(wanted, storage_reader=reader, no_dist=not dist.is_initialized())
+    set_model_state_dict(model, state)
+    return PretrainedLoad(weights.url, reader.bytes_read, time.perf_counter() - began, initialised)
+
+
+def _read_items(
+    state: dict[str, Tensor],
+    parameters: dict[str, nn.Parameter],
+    reader: SafetensorsReader,
+    weights: PretrainedWeights,
+    aliases: dict[str, str],
+) -> tuple[dict[str, Tensor], list[str]]:
+    """The tensors of ``state`` to read, by their names in the checkpoint, and the parameters named new; raises for a
+    parameter the checkpoint lacks (a weight shared by several modules counts once) or holds in another shape."""
+    stored = reader.read_metadata().state_dict_metadata
     first_name = {id(parameter): name for name, parameter in reversed(parameters.items())}
     wanted: dict[str, Tensor] = {}
     missing, initialised = [], []
     prefix = f"{weights.prefix.rstrip('.')}." if weights.prefix else ""
     for name, tensor in state.items():
-        key = (aliases or {}).get(name, name).removeprefix(prefix)
+        key = aliases.get(name, name).removeprefix(prefix)
         if key in stored:
             if tuple(stored[key].size) != tuple(tensor.shape):
                 raise ValueError(
@@ -251,11 +277,7 @@ def load_pretrained(
             "Check that the checkpoint is of this model and that the names' prefix is right; weights the model adds "
             "(a new head) are listed in `new` and keep their initialisation."
         )
-    with warnings.catch_warnings():  # that one process loads alone is what is meant
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(wanted, storage_reader=reader, no_dist=not dist.is_initialized())
-    set_model_state_dict(model, state)
-    return PretrainedLoad(weights.url, reader.bytes_read, time.perf_counter() - began, initialised)
+    return wanted, initialised
 
 
 @contextmanager

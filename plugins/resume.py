@@ -37,6 +37,7 @@ class ResumesLast:
     """Resolves ``ckpt_path="last"`` before the launcher it is mixed into launches (Lightning's own, or none)."""
 
     _resumes: object = _NOT_ASKED  # the checkpoint "last" named in this process, None for none
+    ckpt_path: str | None = None  # the checkpoint the call launched last loads ("last" resolved), None for none
 
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer, **kwargs: Any) -> Any:
         # plugins/checkpoint.py imports the strategy, which imports this module.
@@ -49,6 +50,7 @@ class ResumesLast:
         if call.arguments.get("ckpt_path") == "last":
             last = newest_complete_checkpoint(checkpoint_directories(trainer))
             self._resumes = call.arguments["ckpt_path"] = last
+        self.ckpt_path = call.arguments.get("ckpt_path")
         return super().launch(function, *call.args, trainer=trainer, **call.kwargs)
 
     def check_every_rank_resumes_alike(self) -> None:

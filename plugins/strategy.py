@@ -39,7 +39,7 @@ from lightdist.plugins.pipeline_step import PipelineStep, example_model_call, pi
 from lightdist.plugins.run_header import announce_run
 from lightdist.plugins.strategy_names import STRATEGY_NAMES
 from lightdist.plugins.token_weights import TokenWeights
-from lightdist.pretrained import PretrainedLoad, PretrainedWeights, load_pretrained
+from lightdist.pretrained import PretrainedLoad, PretrainedWeights, check_pretrained, load_pretrained
 from lightdist.sharding import ShardedOptimizer, ZeroStage, optimizer_states_to, step_mixed_meshes_per_tensor
 from lightdist.storage import configure, resolve
 from lightdist.tensor_parallel import TensorParallelStyle
@@ -154,15 +154,18 @@ class ParallelStrategy(CheckpointingStrategy):
         parameters = sum(p.numel() for p in self.lightning_module.parameters())  # whole, before it is split
         self.planned_memory = announce_run(self, trainer, self._config, parameters)
         refuse_metrics_on_meta(self.lightning_module)
+        weights = self._pretrained or getattr(self.lightning_module, "pretrained_weights", None)  # PretrainedWeights
+        weights = weights if self.launcher.ckpt_path is None else None  # a resume loads the run's own checkpoint
+        if weights is not None:
+            check_pretrained(self.lightning_module, weights)  # before the model takes any memory
         self.model = self._parallelize(self.lightning_module)
         reduce_metrics_over(self.lightning_module, self.device_mesh["dp"].get_group())
-        weights = self._pretrained or getattr(self.lightning_module, "pretrained_weights", None)  # PretrainedWeights
         with metrics_set_aside(self.lightning_module):
             materialize(self.model, self.root_device, filled_after=weights is not None)
         self.model = self.precision_plugin.convert_module(self.model)
         if not self._config.cpu_offload:
             self.model_to_device()
-        if weights is not None and trainer.ckpt_path is None:  # a resume takes the run's own checkpoint instead
+        if weights is not None:
             tied = self._parallelized.tied_heads_on(self.device_mesh)
             self.pretrained_load = load_pretrained(self.lightning_module, weights, tied)
             rank_zero_info(f"lightdist: {self.pretrained_load.summary()}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import struct
 import threading
 import time
@@ -16,13 +17,14 @@ import pytest
 import torch
 import transformers
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import DataLoader
 
 from lightdist.models import HuggingFaceCausalLM
 from lightdist.plugins import ParallelStrategy
 
-from multirank import run_ranks
+from multirank import raised, run_ranks
 from zoo import HF_TINY, HF_TINY_GPT2
 
 FAMILIES = {
@@ -289,3 +291,47 @@ def test_each_ranks_memory_falls_with_the_ranks_under_zero3_and_tp(tmp_path: Pat
     for devices, options in ((2, dict(zero_stage=3)), (2, dict(tensor_parallel_size=2)), (4, dict(zero_stage=3))):
         for growth in run_ranks(devices, resident_growth, str(checkpoint), options, devices, timeout=600):
             assert growth <= 1.25 * tensors / devices + largest, (devices, options, growth / 2**20)
+
+
+def train_refuse_and_resume(checkpoint: str, other_config: str, run: str, devices: int) -> tuple[str, int, bool]:
+    """Under ZeRO-3: what a checkpoint of another config raises; then two steps from ``checkpoint`` saving to
+    ``run``, the checkpoint's weights deleted, and a resume to step 4: its global step, and whether it read any."""
+    refused = raised(
+        Trainer(accelerator="cpu", devices=devices, strategy=ParallelStrategy(zero_stage=3), logger=False).validate,
+        HuggingFaceCausalLM(pretrained=other_config),
+        windows(),
+    )
+
+    def fit(steps: int, ckpt_path: str | None) -> Trainer:
+        saving = LightningModelCheckpoint(dirpath=run, every_n_train_steps=2, save_last=True)
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=devices,
+            strategy=ParallelStrategy(zero_stage=3),
+            max_steps=steps,
+            callbacks=[saving],
+            logger=False,
+            enable_progress_bar=False,
+        )
+        trainer.fit(HuggingFaceCausalLM(pretrained=checkpoint), windows(), ckpt_path=ckpt_path)
+        return trainer
+
+    fit(2, None).strategy.barrier()
+    if int(os.environ["RANK"]) == 0:  # the weights gone, the config (what the module is built from) kept
+        for weights in Path(checkpoint).glob("model*.safetensors*"):
+            weights.unlink()
+    resumed = fit(4, "last")
+    return refused, resumed.global_step, resumed.strategy.pretrained_load is not None
+
+
+@pytest.mark.multirank
+def test_a_bad_checkpoint_is_refused_before_training_and_a_resume_never_reads_the_weights(tmp_path: Path) -> None:
+    checkpoint = save_checkpoint(tmp_path, "llama")
+    other = save_checkpoint(tmp_path / "other", "llama")
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(dict(config, intermediate_size=128)))
+    refused, step, read = run_ranks(2, train_refuse_and_resume, str(checkpoint), str(other), str(tmp_path / "run"), 2)[
+        0
+    ]
+    assert "model.model.layers.0.mlp.gate_proj.weight has shape (128, 64) in the model and (176, 64)" in refused
+    assert (step, read) == (4, False)
