@@ -83,3 +83,16 @@ def test_expert_parallel_benchmark_times_each_ep_in_turn(tmp_path: Path, experts
     assert [row[0] for row in rows] == ["1", "2"]
     assert rows[0][2] == "1.00x"  # ep=1 is the baseline
     assert float(rows[0][3]) == 0 < float(rows[1][3])  # only split experts send tokens
+
+
+def test_pretrained_load_benchmark_starts_each_way_and_counts_what_lightdist_read(tmp_path: Path) -> None:
+    bench = BENCH.parent / "pretrained_load.py"
+    options = ["--hidden", "128", "--layers", "2", "--ranks", "2"]
+    run = subprocess.run(
+        [sys.executable, str(bench), *options], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.split(maxsplit=1) for line in run.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[1].split("  ")[0] for row in rows] == ["lightdist", "lightdist", "every rank", "rank 0 + broadcast"]
+    lightdist_read = [float(row[1].split()[-1]) for row in rows[:2]]
+    assert all(read > 0 for read in lightdist_read)  # local and S3

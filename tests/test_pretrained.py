@@ -205,12 +205,15 @@ def test_under_zero3_each_rank_reads_its_half_of_the_bytes(checkpoints_dir: Path
 @pytest.mark.multirank
 def test_weights_come_from_s3_and_gcs(tmp_path: Path, s3_bucket, gcs_bucket) -> None:
     checkpoint = save_checkpoint(tmp_path, "gpt2")
-    expected = from_pretrained(checkpoint)
+    urls = []
     for bucket, storage in (s3_bucket, gcs_bucket):
         storage.put(str(checkpoint), f"{bucket.split('://')[1]}/gpt2", recursive=True)
-        ranks = run_ranks(2, filled, [("wrapper", f"{bucket}/gpt2", dict(zero_stage=3))], 2, timeout=600)
+        urls.append(f"{bucket}/gpt2")
+    cases = [("wrapper", url, dict(zero_stage=3)) for url in urls]
+    expected = from_pretrained(checkpoint)
+    for weights, *_ in run_ranks(2, filled, cases, 2, timeout=600)[0]:
         for key, tensor in expected.items():
-            torch.testing.assert_close(ranks[0][0][0][key], tensor, rtol=0, atol=0, msg=key)
+            torch.testing.assert_close(weights[key], tensor, rtol=0, atol=0, msg=key)
 
 
 def test_without_lightdist_the_module_reads_the_whole_model_in_configure_model(tmp_path: Path) -> None:
