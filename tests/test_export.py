@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_pretrained import filled
 from transformers import AutoModelForCausalLM
 
 from lightdist.cli import main
@@ -93,3 +94,15 @@ def test_export_of_another_model_to_a_directory_says_to_export_a_file(
     error = capsys.readouterr().err
     assert "not one of lightdist.models.HuggingFaceCausalLM" in error
     assert "Export to a .safetensors or .pt file instead" in error
+
+
+def test_an_export_starts_a_run_under_another_layout_losslessly(tmp_path: Path, checkpoints) -> None:
+    """Exported to a Hugging Face directory, then the pretrained weights of a run split otherwise: OPT saved under
+    ZeRO-3, its embedding tied to the head, starts in two pipeline stages."""
+    directory, trained = checkpoints
+    main(["export", str(directory / "hf_opt"), str(tmp_path / "opt-hf")])
+    per_rank = run_ranks(2, filled, [("wrapper", str(tmp_path / "opt-hf"), dict(pipeline_parallel_size=2))], 2)
+    weights = {name: tensor for rank in per_rank for name, tensor in rank[0][0].items()}
+    assert weights.keys() == trained["hf_opt"].keys()
+    for name, tensor in trained["hf_opt"].items():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=0, msg=name)
