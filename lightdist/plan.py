@@ -30,6 +30,7 @@ from lightdist.layout_probe import probe_layouts
 from lightdist.pipeline.schedules import stages_of_rank, virtual_stages_of
 from lightdist.pipeline.structural import stage_costs, stage_sizes
 from lightdist.planner import Cluster, Estimate, GiB, ModelShape, Training, plan_layouts, tensor_parallel_shape
+from lightdist.pretrained import READ_BYTES
 from lightdist.structure import DecoderStack, find_decoder_stack
 from lightdist.tensor_parallel import TensorParallelStyle, check_divisible, discover_plan, replicated_key_values
 from lightdist.torch_internals import FakeStore
@@ -130,6 +131,7 @@ def format_layouts(shape: ModelShape, training: Training, cluster: Cluster, ep: 
     width = max(len(str(plan.layout)) for plan in plans)
     gib = " ".join(f"{name:>6}" for name in ("params", "grads", "optim", "activ", "total"))
     lines = [header, f"  {'layout':<{width}} {gib} fits step s", *(_layout_row(plan, width) for plan in plans)]
+    lines.append(_pretrained_load(shape, cluster))
     best = plans[0]
     if best.fits:
         fitting = sum(plan.fits for plan in plans)
@@ -145,6 +147,17 @@ def format_layouts(shape: ModelShape, training: Training, cluster: Cluster, ep: 
             + _what_would_fit(shape, training, cluster, leanest, ep)
         )
     return "\n".join(lines), best.fits
+
+
+def _pretrained_load(shape: ModelShape, cluster: Cluster) -> str:
+    """Host memory per rank while a run starts from pretrained weights, beside ``from_pretrained`` on every rank: the
+    load reads byte ranges straight into the GPUs' shards, which the table already counts."""
+    whole = 2 * shape.parameters  # bf16, as checkpoints are published
+    return (
+        f"Starting from pretrained weights (pretrained=): host memory per rank about {READ_BYTES / 2**20:.0f} MiB, "
+        f"the ranges read at a time into each GPU's shards (with cpu_offload, its shards too); from_pretrained on "
+        f"every rank holds {whole / GiB:.1f} GiB per rank, {whole * cluster.gpus_per_node / GiB:.0f} GiB a node."
+    )
 
 
 def layout_records(shape: ModelShape, training: Training, cluster: Cluster, ep: int = 1) -> list[dict[str, object]]:

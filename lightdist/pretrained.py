@@ -6,7 +6,9 @@ device (``parameters_on_meta``, buffers real, as accelerate's ``init_empty_weigh
 materialized shard by shard, and only then filled: torch's distributed checkpoint plans which slice of each tensor
 every rank's shards hold, and ``SafetensorsReader`` reads those slices from the checkpoint's safetensors files at any
 fsspec URL with range reads (each file's header gives every tensor's offset). Rows a rank holds are one range; a
-slice along a later dimension (a row-parallel weight) reads the rows it spans.
+slice along a later dimension (a row-parallel weight) reads the rows it spans. Where the model names or cuts its
+weights otherwise than its checkpoint (transformers' per-expert checkpoints of stacked experts, LitGPT's fused
+``qkv``), ``lightdist.pretrained_keys`` reads each weight as a view of the stored tensors.
 
 torch's own ``HuggingFaceStorageReader`` opens each file with ``safe_open``, a local path only: it does not serve
 ``s3://`` or ``gs://``. Fused projections come back into their tensor-parallel order through the model's own
@@ -21,7 +23,7 @@ import posixpath
 import struct
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +43,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.futures import Future
+
+from lightdist.pretrained_keys import KeyMap, Source, Stored, converted_as_transformers_does, pieces, renamed
 
 __all__ = [
     "PretrainedLoad",
@@ -72,11 +76,14 @@ class PretrainedWeights:
     """Where a LightningModule's starting weights are: the Hugging Face checkpoint directory at ``url`` (a path or any
     fsspec URL), whose names are those of the module's parameters under the module path ``prefix`` (``"model"`` for
     a model held as ``self.model``). ``new`` names parameters the checkpoint lacks on purpose (a new head): they keep
-    their initialisation."""
+    their initialisation. ``key_map`` renames the checkpoint's tensors to the model's names, as regular expressions
+    (``lightdist.pretrained_keys.renamed``: a LitGPT or nanoGPT-style model started from a Hugging Face checkpoint);
+    without it a Hugging Face model takes transformers' own conversions for its family."""
 
     url: str
     prefix: str = ""
     new: tuple[str, ...] = ()
+    key_map: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -94,24 +101,18 @@ class PretrainedLoad:
         return f"weights from {self.url}: {read}{kept}"
 
 
-@dataclass(frozen=True)
-class _Stored:
-    file: str
-    start: int  # the byte where the tensor's data begins in its file
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
 class SafetensorsReader(StorageReader):
     """torch's distributed checkpoint reads a Hugging Face safetensors checkpoint at any fsspec URL through this: the
-    index and each file's header, then for every slice a rank asks for, the byte range of the rows it spans."""
+    index and each file's header, then for every slice a rank asks for, the byte range of the rows it spans.
+    ``key_map`` gives the stored tensors their names in the model."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, key_map: KeyMap | None = None) -> None:
         super().__init__()
         self.url = url
         self.fs, self.path = url_to_fs(url)
+        self.key_map = key_map
         self.bytes_read = 0
-        self.stored: dict[str, _Stored] = {}
+        self.tensors: dict[str, Source] = {}  # by their names in the model
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -121,19 +122,19 @@ class SafetensorsReader(StorageReader):
         return True
 
     def read_metadata(self) -> Metadata:
-        if not self.stored:
-            for file in self._files():
-                self._read_header(file)
+        if not self.tensors:
+            stored = {name: tensor for file in self._files() for name, tensor in self._read_header(file).items()}
+            self.tensors = self.key_map(stored) if self.key_map else dict(stored)
         return Metadata(
             state_dict_metadata={
                 name: TensorStorageMetadata(
-                    TensorProperties(dtype=stored.dtype),
-                    torch.Size(stored.shape),
-                    [ChunkStorageMetadata(torch.Size([0] * len(stored.shape)), torch.Size(stored.shape))],
+                    TensorProperties(dtype=tensor.dtype),
+                    torch.Size(tensor.shape),
+                    [ChunkStorageMetadata(torch.Size([0] * len(tensor.shape)), torch.Size(tensor.shape))],
                 )
-                for name, stored in self.stored.items()
+                for name, tensor in self.tensors.items()
             },
-            storage_data={MetadataIndex(name): stored for name, stored in self.stored.items()},
+            storage_data={MetadataIndex(name): tensor for name, tensor in self.tensors.items()},
         )
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -148,13 +149,15 @@ class SafetensorsReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         for item in plan.items:
             target = planner.resolve_tensor(item).detach()
-            self._read_into(target, self.stored[item.storage_index.fqn], item.storage_offsets, item.lengths)
+            source = self.tensors[item.storage_index.fqn]
+            for stored, view, offsets, lengths in pieces(source, target, item.storage_offsets, item.lengths):
+                self._read_into(view, stored, offsets, lengths)
             planner.commit_tensor(item, target)
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _read_into(self, target: Tensor, stored: _Stored, offsets: Sequence[int], lengths: Sequence[int]) -> None:
+    def _read_into(self, target: Tensor, stored: Stored, offsets: Sequence[int], lengths: Sequence[int]) -> None:
         """Fill ``target`` with the slice of ``stored`` at ``offsets`` of ``lengths``: the rows it spans, read a
         range of at most ``READ_BYTES`` at a time, so that no more than that is held beside the model."""
         if not stored.shape:  # a scalar
@@ -183,7 +186,7 @@ class SafetensorsReader(StorageReader):
             )
         return files
 
-    def _read_header(self, file: str) -> None:
+    def _read_header(self, file: str) -> dict[str, Stored]:
         try:
             size = self.fs.size(file)
         except FileNotFoundError as error:
@@ -193,6 +196,7 @@ class SafetensorsReader(StorageReader):
         (length,) = struct.unpack("<Q", self._read(file, 0, 8))
         header = json.loads(self._read(file, 8, 8 + length))
         header.pop("__metadata__", None)
+        stored = {}
         for name, entry in header.items():
             begin, end = entry["data_offsets"]
             if 8 + length + end > size:
@@ -200,7 +204,8 @@ class SafetensorsReader(StorageReader):
                     f"{posixpath.basename(file)} in {self.url} is truncated: {name} ends at byte {8 + length + end} "
                     f"of a file of {size}. Copy the checkpoint again."
                 )
-            self.stored[name] = _Stored(file, 8 + length + begin, _DTYPES[entry["dtype"]], tuple(entry["shape"]))
+            stored[name] = Stored(file, 8 + length + begin, _DTYPES[entry["dtype"]], tuple(entry["shape"]))
+        return stored
 
     def _read(self, file: str, start: int | None = None, end: int | None = None) -> bytes:
         data = self.fs.cat_file(file, start=start, end=end)
@@ -217,22 +222,28 @@ def _tensor_of(data: bytes, dtype: torch.dtype) -> Tensor:
         return torch.frombuffer(data, dtype=dtype)
 
 
-def check_pretrained(model: nn.Module, weights: PretrainedWeights) -> None:
+def check_pretrained(model: nn.Module, weights: PretrainedWeights) -> SafetensorsReader:
     """Raise, naming the weight, where the checkpoint of ``weights`` lacks one of ``model``'s or holds it in another
     shape: from the checkpoint's headers and the unsplit model, on the meta device or not, before any memory is
-    taken for it."""
+    taken for it. Returns the reader, its headers read, for ``load_pretrained``."""
+    reader = _reader_for(model, weights)
     parameters = dict(model.named_parameters(remove_duplicate=False))
-    _read_items(model.state_dict(keep_vars=True), parameters, SafetensorsReader(weights.url), weights, {})
+    _read_items(model.state_dict(keep_vars=True), parameters, reader, weights, {})
+    return reader
 
 
 def load_pretrained(
-    model: nn.Module, weights: PretrainedWeights, aliases: dict[str, str] | None = None
+    model: nn.Module,
+    weights: PretrainedWeights,
+    aliases: dict[str, str] | None = None,
+    reader: SafetensorsReader | None = None,
 ) -> PretrainedLoad:
     """Fill ``model``'s parameters, whole or split over the ranks (every rank calls this), from the checkpoint of
     ``weights``, each rank reading only its shards' bytes. ``aliases``: a parameter name this rank holds in place of
-    another's, which the checkpoint saves it under (a head tied to the embedding, on the pipeline's last stage)."""
+    another's, which the checkpoint saves it under (a head tied to the embedding, on the pipeline's last stage).
+    ``reader``: the one ``check_pretrained`` returned for the unsplit model, so that headers are read once."""
     began = time.perf_counter()
-    reader = SafetensorsReader(weights.url)
+    reader = reader or _reader_for(model, weights)
     state = get_model_state_dict(model)
     parameters = dict(model.named_parameters(remove_duplicate=False))
     wanted, initialised = _read_items(state, parameters, reader, weights, aliases or {})
@@ -241,6 +252,14 @@ def load_pretrained(
         dcp.load(wanted, storage_reader=reader, no_dist=not dist.is_initialized())
     set_model_state_dict(model, state)
     return PretrainedLoad(weights.url, reader.bytes_read, time.perf_counter() - began, initialised)
+
+
+def _reader_for(model: nn.Module, weights: PretrainedWeights) -> SafetensorsReader:
+    """A reader naming the checkpoint's tensors as ``model`` (unsplit) names them."""
+    if weights.key_map:
+        return SafetensorsReader(weights.url, renamed(weights.key_map))
+    held = model.get_submodule(weights.prefix.rstrip(".")) if weights.prefix else model
+    return SafetensorsReader(weights.url, converted_as_transformers_does(held))
 
 
 def _read_items(
@@ -274,8 +293,9 @@ def _read_items(
         raise ValueError(
             f"{weights.url} lacks {len(missing)} of the model's weights: {', '.join(missing[:6])}"
             f"{', ...' if len(missing) > 6 else ''} (looked up as {missing[0].removeprefix(prefix)!r}). "
-            "Check that the checkpoint is of this model and that the names' prefix is right; weights the model adds "
-            "(a new head) are listed in `new` and keep their initialisation."
+            "Check that the checkpoint is of this model and that the names' prefix is right (or give a key map from "
+            "its names to the model's); weights the model adds (a new head) are listed in `new` and keep their "
+            "initialisation."
         )
     return wanted, initialised
 

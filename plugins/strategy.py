@@ -70,7 +70,8 @@ class ParallelStrategy(CheckpointingStrategy):
         pretrained, pretrained_prefix: A Hugging Face checkpoint directory (``save_pretrained``, a path or any fsspec
             URL) the run starts from: once split, the model is filled from it, each rank reading only its shards'
             bytes (``lightdist.pretrained``; a resume reads the run's own checkpoint instead). The checkpoint's names
-            are those of the parameters under ``pretrained_prefix``, e.g. ``"model"`` for ``self.model``.
+            are those of the parameters under ``pretrained_prefix``, e.g. ``"model"`` for ``self.model``. A
+            ``PretrainedWeights`` in place of the URL also lists new weights and maps other names.
         async_checkpoint: How checkpoints saved during ``fit`` upload behind training once staged in CPU memory:
             ``"process"`` (DCP's daemon process per rank, free of the training process's GIL), ``"thread"``, or
             ``None`` to save before training goes on.
@@ -108,7 +109,7 @@ class ParallelStrategy(CheckpointingStrategy):
         compile: bool = False,
         expert_parallel_size: int = 1,
         async_checkpoint: AsyncMode | None = "process",
-        pretrained: str | None = None,
+        pretrained: str | PretrainedWeights | None = None,
         pretrained_prefix: str = "",
         storage_options: dict[str, dict[str, Any]] | None = None,
         non_finite: NonFinitePolicy | None = None,
@@ -140,7 +141,7 @@ class ParallelStrategy(CheckpointingStrategy):
         self._non_finite = NonFiniteGuard(non_finite)
         self.pipeline_step: PipelineStep | None = None  # runs this rank's pipeline stages; its clock times the bubble
         self._token_weights: TokenWeights | None = None
-        self._pretrained = PretrainedWeights(pretrained, prefix=pretrained_prefix) if pretrained else None
+        self._pretrained = PretrainedWeights(pretrained, pretrained_prefix) if type(pretrained) is str else pretrained
         self.pretrained_load: PretrainedLoad | None = None  # what this rank read of the pretrained weights
         self.planned_memory: Estimate | None = None  # the planner's, on rank 0: TrainingMonitor logs it beside its own
 
@@ -157,7 +158,7 @@ class ParallelStrategy(CheckpointingStrategy):
         weights = self._pretrained or getattr(self.lightning_module, "pretrained_weights", None)  # PretrainedWeights
         weights = weights if self.launcher.ckpt_path is None else None  # a resume loads the run's own checkpoint
         if weights is not None:
-            check_pretrained(self.lightning_module, weights)  # before the model takes any memory
+            reader = check_pretrained(self.lightning_module, weights)  # before the model takes any memory
         self.model = self._parallelize(self.lightning_module)
         reduce_metrics_over(self.lightning_module, self.device_mesh["dp"].get_group())
         with metrics_set_aside(self.lightning_module):
@@ -167,7 +168,7 @@ class ParallelStrategy(CheckpointingStrategy):
             self.model_to_device()
         if weights is not None:
             tied = self._parallelized.tied_heads_on(self.device_mesh)
-            self.pretrained_load = load_pretrained(self.lightning_module, weights, tied)
+            self.pretrained_load = load_pretrained(self.lightning_module, weights, tied, reader)
             rank_zero_info(f"lightdist: {self.pretrained_load.summary()}")
         if self._parallelized.traced_input is not None:
             share_model_buffers(self.lightning_module, self._parallelized.stages)
@@ -254,10 +255,8 @@ class ParallelStrategy(CheckpointingStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip the gradient all-reduce / reduce-scatter on the non-final steps of gradient accumulation.
-
-        Under a pipeline the schedule decides: it reduces the gradients once, after each batch's last microbatch.
-        """
+        """Skip the gradient reduction on the non-final steps of gradient accumulation; under a pipeline the schedule
+        reduces the gradients once, after each batch's last microbatch."""
         if self.pipeline_step is not None:
             yield
             return

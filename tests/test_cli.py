@@ -238,7 +238,7 @@ def test_plan_writes_the_layouts_as_csv_or_json_records_for_a_notebook(capsys: p
     rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
     main(plan)
     table = capsys.readouterr().out.splitlines()
-    assert len(records) == len(rows) == len(table) - 3  # the table's title, column names and recommendation
+    assert len(records) == len(rows) == len(table) - 4  # the title, column names, pretrained load and recommendation
     assert [row["layout"] for row in rows] == [record["layout"] for record in records]
     assert records[0]["recommended"] and table[-1].startswith(f"Recommended: {records[0]['layout']}: ")
     assert float(rows[0]["total_gib"]) == records[0]["total_gib"] == pytest.approx(54.5, abs=0.05)

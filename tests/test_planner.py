@@ -133,7 +133,7 @@ def test_each_zero_stage_shards_what_the_paper_says() -> None:
 
 def test_plan_recommends_a_layout_for_70b_on_64_gpus(capsys: pytest.CaptureFixture) -> None:
     main(["plan", *LLAMA_70B, "--gpus", "64", "--gpu-memory", "80"])
-    header, columns, *rows, recommendation = capsys.readouterr().out.splitlines()
+    header, columns, *rows, load, recommendation = capsys.readouterr().out.splitlines()
     assert header == (
         "Llama, 70.6B parameters, on 64 GPUs (8 per node, 80 GiB each): 256 x 4096 tokens per step, bf16-mixed"
     )
@@ -144,6 +144,9 @@ def test_plan_recommends_a_layout_for_70b_on_64_gpus(capsys: pytest.CaptureFixtu
     best, (*_, total, fits_best, step) = next(iter(table.items()))
     assert recommendation.startswith(f"Recommended: {best}: the shortest estimated step ({step} s) of the ")
     assert float(total) <= 80 and fits_best == "yes"
+    # Starting from a checkpoint costs each rank's host 16 MiB at a time, where from_pretrained holds 70.6B x 2 bytes.
+    assert load.startswith("Starting from pretrained weights (pretrained=): host memory per rank about 16 MiB, ")
+    assert load.endswith("from_pretrained on every rank holds 131.4 GiB per rank, 1051 GiB a node.")
     # 32 data-parallel ranks without tensor parallelism hold half of the 70B model's 16-bit weights each: too much.
     assert table["pp=2 x dp=32 x tp=1, ZeRO-2, full ckpt, 8 microbatches"][5] == "no"
 
@@ -281,7 +284,7 @@ def test_a_mixture_of_experts_counts_active_parameters_and_splits_its_experts_ov
     )
     without, with_ep = (table.splitlines() for table in capsys.readouterr().out.split("MoELlama, ")[1:])
     assert with_ep[0].startswith("46.7B parameters (12.9B active per token), on 16 GPUs")
-    rows = [row.split(",")[0:2] for row in with_ep[2:-1]]
+    rows = [row.split(",")[0:2] for row in with_ep[2:-2]]  # between the column names and the pretrained load
     assert rows and all(experts == " ep=4" for _, experts in rows)
     assert all(int(layout.split("dp=")[1].split()[0]) % 4 == 0 for layout, _ in rows)
     assert all(", ep=" not in row for row in without)

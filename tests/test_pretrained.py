@@ -12,17 +12,21 @@ import time
 from functools import cache
 from pathlib import Path
 
+import litgpt
 import psutil
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+from litgpt.scripts.convert_hf_checkpoint import copy_weights_hf_llama
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import DataLoader
 
 from lightdist.models import HuggingFaceCausalLM
 from lightdist.plugins import ParallelStrategy
+from lightdist.pretrained import PretrainedWeights
 
 from multirank import raised, run_ranks
 from zoo import HF_TINY, HF_TINY_GPT2
@@ -34,6 +38,8 @@ FAMILIES = {
     "phi3": dict(HF_TINY, model_type="phi3", num_key_value_heads=2, pad_token_id=0),
     # Conv1D, q, k and v fused in c_attn, the head tied to the embedding (saved once)
     "gpt2": HF_TINY_GPT2,
+    # experts stacked in one tensor per layer in the model, saved one tensor per expert (transformers' conversion)
+    "mixtral": dict(HF_TINY, model_type="mixtral", num_key_value_heads=2, num_local_experts=4),
     # 0.14B parameters, 0.53 GiB in fp32: big enough that each rank's share of it shows in its resident memory
     "llama_0.14b": dict(
         model_type="llama",
@@ -64,6 +70,64 @@ def from_pretrained(directory: Path) -> dict[str, torch.Tensor]:
     return {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
 
 
+# A LitGPT GPT started from a Hugging Face Llama checkpoint: q, k and v, saved apart, concatenated into its qkv.
+LITGPT_FROM_LLAMA = {
+    r"model\.embed_tokens\.weight": "transformer.wte.weight",
+    r"model\.layers\.(\d+)\.input_layernorm\.weight": r"transformer.h.\1.norm_1.weight",
+    r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight": r"transformer.h.\1.attn.qkv.weight",
+    r"model\.layers\.(\d+)\.self_attn\.k_proj\.weight": r"transformer.h.\1.attn.qkv.weight",
+    r"model\.layers\.(\d+)\.self_attn\.v_proj\.weight": r"transformer.h.\1.attn.qkv.weight",
+    r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight": r"transformer.h.\1.attn.proj.weight",
+    r"model\.layers\.(\d+)\.post_attention_layernorm\.weight": r"transformer.h.\1.norm_2.weight",
+    r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight": r"transformer.h.\1.mlp.fc_1.weight",
+    r"model\.layers\.(\d+)\.mlp\.up_proj\.weight": r"transformer.h.\1.mlp.fc_2.weight",
+    r"model\.layers\.(\d+)\.mlp\.down_proj\.weight": r"transformer.h.\1.mlp.proj.weight",
+    r"model\.norm\.weight": "transformer.ln_f.weight",
+}
+
+
+def litgpt_config(checkpoint: str) -> litgpt.Config:
+    """The LitGPT config of a Hugging Face Llama's."""
+    hf = transformers.AutoConfig.from_pretrained(checkpoint, local_files_only=True)
+    return litgpt.Config(
+        block_size=64,
+        vocab_size=hf.vocab_size,
+        padded_vocab_size=hf.vocab_size,
+        n_layer=hf.num_hidden_layers,
+        n_head=hf.num_attention_heads,
+        n_query_groups=hf.num_key_value_heads,
+        n_embd=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        rotary_percentage=1.0,
+        parallel_residual=False,
+        bias=False,
+        norm_class_name="RMSNorm",
+        norm_eps=hf.rms_norm_eps,
+        mlp_class_name="LLaMAMLP",
+        rope_base=int(hf.rope_parameters["rope_theta"]),
+    )
+
+
+def litgpt_from_pretrained(directory: Path) -> dict[str, torch.Tensor]:
+    """What LitGPT's own conversion of the checkpoint holds, by the LightningModule's names."""
+    hf_weights = {name.removeprefix("model."): tensor for name, tensor in from_pretrained(directory).items()}
+    converted: dict[str, torch.Tensor] = {}
+    copy_weights_hf_llama(litgpt_config(str(directory)), {}, converted, hf_weights)
+    return {f"model.{name}": tensor for name, tensor in converted.items()}
+
+
+class LitGPTFineTuning(LightningModule):
+    """A user's LitGPT model, named by ``ParallelStrategy(pretrained=PretrainedWeights(..., key_map=...))``."""
+
+    def __init__(self, checkpoint: str) -> None:
+        super().__init__()
+        self.model = litgpt.GPT(litgpt_config(checkpoint))
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        logits = self.model(batch[:, :-1])
+        self.log("val_loss", F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()), sync_dist=True)
+
+
 def windows() -> DataLoader:
     return DataLoader(torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(0)), batch_size=4)
 
@@ -83,11 +147,14 @@ class OwnFineTuning(LightningModule):
 
 def module_of(kind: str, checkpoint: str, trainer: Trainer) -> LightningModule:
     """``"wrapper"``: lightdist's ``HuggingFaceCausalLM(pretrained=...)``; ``"own"``: ``OwnFineTuning``, built on a
-    device; ``"own_on_meta"``: built under ``trainer.init_module(empty_init=True)``, its rotary tables on meta too."""
+    device; ``"own_on_meta"``: built under ``trainer.init_module(empty_init=True)``, its rotary tables on meta too;
+    ``"litgpt"``: ``LitGPTFineTuning``."""
     if kind == "wrapper":
         return HuggingFaceCausalLM(pretrained=checkpoint)
     if kind == "own":
         return OwnFineTuning(checkpoint)
+    if kind == "litgpt":
+        return LitGPTFineTuning(checkpoint)
     with trainer.init_module(empty_init=True):
         return OwnFineTuning(checkpoint)
 
@@ -98,7 +165,9 @@ def filled(cases: list[tuple[str, str, dict]], devices: int) -> list[tuple[dict[
     the validation loss."""
     results = []
     for kind, url, options in cases:
-        if kind != "wrapper":
+        if kind == "litgpt":
+            options = dict(options, pretrained=PretrainedWeights(url, prefix="model", key_map=LITGPT_FROM_LLAMA))
+        elif kind != "wrapper":
             options = dict(options, pretrained=url, pretrained_prefix="model")
         strategy = ParallelStrategy(**options)
         trainer = Trainer(
@@ -118,7 +187,7 @@ def filled(cases: list[tuple[str, str, dict]], devices: int) -> list[tuple[dict[
 
 
 def single_process_val_loss(kind: str, checkpoint: Path) -> float:
-    """The validation loss of the same module holding ``from_pretrained``'s weights, in one process."""
+    """The validation loss of ``from_pretrained``'s Hugging Face model in one process (LitGPT's: the same model)."""
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     module = HuggingFaceCausalLM(pretrained=str(checkpoint)) if kind == "wrapper" else OwnFineTuning(str(checkpoint))
     if kind != "wrapper":
@@ -146,19 +215,33 @@ LAYOUTS_2 = {
     "gpt2_pp2_head_tied_across_stages": ("wrapper", "gpt2", dict(pipeline_parallel_size=2)),
     "own_module_qwen2_zero3": ("own", "qwen2", dict(zero_stage=3)),
     "own_module_on_meta_llama_tp2": ("own_on_meta", "llama", dict(tensor_parallel_size=2)),
+    "mixtral_ep2_experts_saved_apart": ("wrapper", "mixtral", dict(expert_parallel_size=2)),
+    "litgpt_zero3_key_map_fuses_qkv": ("litgpt", "llama", dict(zero_stage=3)),
 }
 LAYOUTS_4 = {
     "llama_pp2_tp2": ("wrapper", "llama", dict(pipeline_parallel_size=2, tensor_parallel_size=2)),
     "phi3_tp2_dp2_zero3": ("wrapper", "phi3", dict(tensor_parallel_size=2, zero_stage=3)),
     "own_module_on_meta_gpt2_pp2_dp2": ("own_on_meta", "gpt2", dict(pipeline_parallel_size=2)),
+    "own_module_mixtral_pp2_ep2": ("own", "mixtral", dict(pipeline_parallel_size=2, expert_parallel_size=2)),
+    "litgpt_pp2_tp2": ("litgpt", "llama", dict(pipeline_parallel_size=2, tensor_parallel_size=2)),
 }
+LAYOUTS_8 = {
+    "llama_3d_zero3": ("wrapper", "llama", dict(pipeline_parallel_size=2, tensor_parallel_size=2, zero_stage=3)),
+    # OwnFineTuning calls its model on whole windows of 17 tokens, which sequence parallelism cannot halve
+    "own_module_mixtral_pp2_tp2_ep2": (
+        "own",
+        "mixtral",
+        dict(pipeline_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=False),
+    ),
+}
+LAYOUTS = {2: LAYOUTS_2, 4: LAYOUTS_4, 8: LAYOUTS_8}
 
 
 @cache
 def filled_from_local(directory: Path, devices: int) -> tuple[dict[str, tuple], dict[str, Path]]:
     """Every layout of ``devices`` ranks filled in one group of ranks: the weights (all stages'), each rank's bytes
     read, whether all were in train mode and the validation loss, by layout; and the checkpoints, by family."""
-    layouts = LAYOUTS_2 if devices == 2 else LAYOUTS_4
+    layouts = LAYOUTS[devices]
     checkpoints = {family: save_checkpoint(directory / str(devices), family) for _, family, _ in layouts.values()}
     cases = [(kind, str(checkpoints[family]), options) for kind, family, options in layouts.values()]
     ranks = run_ranks(devices, filled, cases, devices, timeout=600)
@@ -178,12 +261,12 @@ def checkpoints_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize(("devices", "name"), [(2, name) for name in LAYOUTS_2] + [(4, name) for name in LAYOUTS_4])
+@pytest.mark.parametrize(("devices", "name"), [(devices, name) for devices in LAYOUTS for name in LAYOUTS[devices]])
 def test_each_layout_holds_what_from_pretrained_holds(checkpoints_dir: Path, devices: int, name: str) -> None:
     results, checkpoints = filled_from_local(checkpoints_dir, devices)
     weights, _, in_train_mode, val_loss = results[name]
-    kind, family, _ = (LAYOUTS_2 if devices == 2 else LAYOUTS_4)[name]
-    expected = from_pretrained(checkpoints[family])
+    kind, family, _ = LAYOUTS[devices][name]
+    expected = (litgpt_from_pretrained if kind == "litgpt" else from_pretrained)(checkpoints[family])
     assert weights.keys() == expected.keys()
     for key, tensor in expected.items():
         torch.testing.assert_close(weights[key], tensor, rtol=0, atol=0, msg=key)
@@ -193,10 +276,12 @@ def test_each_layout_holds_what_from_pretrained_holds(checkpoints_dir: Path, dev
 
 
 @pytest.mark.multirank
-def test_under_zero3_each_rank_reads_its_half_of_the_bytes(checkpoints_dir: Path) -> None:
+@pytest.mark.parametrize(("name", "family"), [("llama_zero3", "llama"), ("mixtral_ep2_experts_saved_apart", "mixtral")])
+def test_each_rank_reads_its_half_of_the_bytes(checkpoints_dir: Path, name: str, family: str) -> None:
+    """Under ZeRO-3 each rank reads its half of every tensor; under ep=2 its half of the experts, each saved apart."""
     results, checkpoints = filled_from_local(checkpoints_dir, 2)
-    _, bytes_read, _, _ = results["llama_zero3"]
-    tensors, other = checkpoint_bytes(checkpoints["llama"])
+    _, bytes_read, _, _ = results[name]
+    tensors, other = checkpoint_bytes(checkpoints[family])
     for read in bytes_read:
         assert read <= tensors / 2 + other
     assert sum(bytes_read) >= tensors  # and between them, all of it
@@ -339,3 +424,42 @@ def test_a_bad_checkpoint_is_refused_before_training_and_a_resume_never_reads_th
     ]
     assert "model.model.layers.0.mlp.gate_proj.weight has shape (128, 64) in the model and (176, 64)" in refused
     assert (step, read) == (4, False)
+
+
+def test_a_key_map_joining_tensors_that_do_not_join_is_refused_naming_them(tmp_path: Path) -> None:
+    checkpoint = str(save_checkpoint(tmp_path, "llama"))
+    norm_into_qkv = {r"model\.layers\.(\d+)\.input_layernorm\.weight": r"transformer.h.\1.attn.qkv.weight"}
+    weights = PretrainedWeights(checkpoint, prefix="model", key_map=LITGPT_FROM_LLAMA | norm_into_qkv)
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=ParallelStrategy(pretrained=weights), logger=False)
+    with pytest.raises(ValueError, match=r"transformer.h.0.attn.qkv.weight is joined along dimension 0 from .*\(64,\)"):
+        trainer.validate(LitGPTFineTuning(checkpoint), windows(), verbose=False)
+
+
+class WithValueHead(OwnFineTuning):
+    """A model the checkpoint holds, and a head it does not."""
+
+    def __init__(self, checkpoint: str) -> None:
+        super().__init__(checkpoint)
+        self.value_head = torch.nn.Linear(self.model.config.hidden_size, 1)
+
+
+def test_a_new_head_is_refused_unless_listed_as_new_and_then_keeps_its_initialisation(tmp_path: Path) -> None:
+    checkpoint = str(save_checkpoint(tmp_path, "qwen2"))
+
+    def start(new: tuple[str, ...]) -> tuple[ParallelStrategy, WithValueHead]:
+        strategy = ParallelStrategy(pretrained=PretrainedWeights(checkpoint, prefix="model", new=new))
+        torch.manual_seed(1)
+        module = WithValueHead(checkpoint)
+        trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False)
+        trainer.validate(module, windows(), verbose=False)
+        return strategy, module
+
+    with pytest.raises(ValueError, match=r"lacks 2 of the model's weights: value_head.weight, value_head.bias"):
+        start(())
+    strategy, module = start(("value_head.weight", "value_head.bias"))
+    assert "initialised, not in it: value_head.weight, value_head.bias" in strategy.pretrained_load.summary()
+    held = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    torch.manual_seed(1)
+    torch.testing.assert_close(held["value_head.weight"], WithValueHead(checkpoint).value_head.weight)
+    for key, tensor in from_pretrained(Path(checkpoint)).items():
+        torch.testing.assert_close(held[key], tensor, rtol=0, atol=0, msg=key)
