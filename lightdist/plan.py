@@ -30,7 +30,7 @@ from lightdist.layout_probe import probe_layouts
 from lightdist.pipeline.schedules import stages_of_rank, virtual_stages_of
 from lightdist.pipeline.structural import stage_costs, stage_sizes
 from lightdist.planner import Cluster, Estimate, GiB, ModelShape, Training, plan_layouts, tensor_parallel_shape
-from lightdist.pretrained import READ_BYTES
+from lightdist.pretrained import IN_FLIGHT_BYTES
 from lightdist.structure import DecoderStack, find_decoder_stack
 from lightdist.tensor_parallel import TensorParallelStyle, check_divisible, discover_plan, replicated_key_values
 from lightdist.torch_internals import FakeStore
@@ -152,9 +152,9 @@ def format_layouts(shape: ModelShape, training: Training, cluster: Cluster, ep: 
 def _pretrained_load(shape: ModelShape, cluster: Cluster) -> str:
     """Host memory per rank while a run starts from pretrained weights, beside ``from_pretrained`` on every rank: the
     load reads byte ranges straight into the GPUs' shards, which the table already counts."""
-    whole = 2 * shape.parameters  # bf16, as checkpoints are published
+    whole, in_flight = 2 * shape.parameters, IN_FLIGHT_BYTES / 2**20  # bf16, as checkpoints are published
     return (
-        f"Starting from pretrained weights (pretrained=): host memory per rank about {READ_BYTES / 2**20:.0f} MiB, "
+        f"Starting from pretrained weights (pretrained=): host memory per rank about {in_flight:.0f} MiB, "
         f"the ranges read at a time into each GPU's shards (with cpu_offload, its shards too); from_pretrained on "
         f"every rank holds {whole / GiB:.1f} GiB per rank, {whole * cluster.gpus_per_node / GiB:.0f} GiB a node."
     )

@@ -23,9 +23,10 @@ import posixpath
 import struct
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -56,7 +57,8 @@ __all__ = [
 ]
 
 INDEX = "model.safetensors.index.json"
-READ_BYTES = 16 * 2**20  # the most one range read holds in memory beside the model
+READ_BYTES = 16 * 2**20  # the most one range read holds
+IN_FLIGHT_BYTES = 4 * READ_BYTES  # the most the reads under way hold in memory beside the model, together
 _DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -147,31 +149,34 @@ class SafetensorsReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        for item in plan.items:
-            target = planner.resolve_tensor(item).detach()
+        """Every slice of ``plan``, its ranges read concurrently (fsspec's ``cat_ranges``: object stores answer many
+        requests at once) in groups of at most ``IN_FLIGHT_BYTES``."""
+        targets = [planner.resolve_tensor(item).detach() for item in plan.items]
+        group: list[_Range] = []
+        for item, target in zip(plan.items, targets, strict=True):
             source = self.tensors[item.storage_index.fqn]
             for stored, view, offsets, lengths in pieces(source, target, item.storage_offsets, item.lengths):
-                self._read_into(view, stored, offsets, lengths)
+                for read in _ranges(view, stored, offsets, lengths):
+                    if group and sum(r.end - r.start for r in group) + read.end - read.start > IN_FLIGHT_BYTES:
+                        self._read_group(group)
+                        group = []
+                    group.append(read)
+        self._read_group(group)
+        for item, target in zip(plan.items, targets, strict=True):
             planner.commit_tensor(item, target)
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _read_into(self, target: Tensor, stored: Stored, offsets: Sequence[int], lengths: Sequence[int]) -> None:
-        """Fill ``target`` with the slice of ``stored`` at ``offsets`` of ``lengths``: the rows it spans, read a
-        range of at most ``READ_BYTES`` at a time, so that no more than that is held beside the model."""
-        if not stored.shape:  # a scalar
-            data = self._read(stored.file, stored.start, stored.start + stored.dtype.itemsize)
-            target.copy_(_tensor_of(data, stored.dtype).reshape(()))
+    def _read_group(self, group: list[_Range]) -> None:
+        if not group:
             return
-        row_bytes = math.prod(stored.shape[1:]) * stored.dtype.itemsize
-        within = tuple(slice(offset, offset + length) for offset, length in zip(offsets[1:], lengths[1:], strict=True))
-        step = max(1, READ_BYTES // max(row_bytes, 1))
-        for done in range(0, lengths[0], step):
-            rows = min(step, lengths[0] - done)
-            start = stored.start + (offsets[0] + done) * row_bytes
-            spanned = _tensor_of(self._read(stored.file, start, start + rows * row_bytes), stored.dtype)
-            target[done : done + rows].copy_(spanned.reshape(rows, *stored.shape[1:])[(slice(None), *within)])
+        datas = self.fs.cat_ranges([r.file for r in group], [r.start for r in group], [r.end for r in group])
+        for read, data in zip(group, datas, strict=True):
+            if isinstance(data, Exception):
+                raise data
+            self.bytes_read += len(data)
+            read.fill(data)
 
     def _files(self) -> list[str]:
         index = posixpath.join(self.path, INDEX)
@@ -211,6 +216,39 @@ class SafetensorsReader(StorageReader):
         data = self.fs.cat_file(file, start=start, end=end)
         self.bytes_read += len(data)
         return data
+
+
+@dataclass(frozen=True)
+class _Range:
+    """Bytes ``start`` to ``end`` of ``file``, and what fills the model's tensor with them."""
+
+    file: str
+    start: int
+    end: int
+    fill: Callable[[bytes], None]
+
+
+def _ranges(target: Tensor, stored: Stored, offsets: Sequence[int], lengths: Sequence[int]) -> Iterator[_Range]:
+    """The reads that fill ``target`` with the slice of ``stored`` at ``offsets`` of ``lengths``: the rows it spans,
+    at most ``READ_BYTES`` a range."""
+    if not stored.shape:  # a scalar
+        end = stored.start + stored.dtype.itemsize
+        yield _Range(stored.file, stored.start, end, partial(_fill, target, stored, ()))
+        return
+    row_bytes = math.prod(stored.shape[1:]) * stored.dtype.itemsize
+    within = tuple(slice(offset, offset + length) for offset, length in zip(offsets[1:], lengths[1:], strict=True))
+    step = max(1, READ_BYTES // max(row_bytes, 1))
+    for done in range(0, lengths[0], step):
+        rows = min(step, lengths[0] - done)
+        start = stored.start + (offsets[0] + done) * row_bytes
+        fill = partial(_fill, target[done : done + rows], stored, (slice(None), *within))
+        yield _Range(stored.file, start, start + rows * row_bytes, fill)
+
+
+def _fill(target: Tensor, stored: Stored, within: tuple[slice, ...], data: bytes) -> None:
+    """Copy into ``target`` the part ``within`` of rows of ``stored`` that ``data`` holds."""
+    shape = (-1, *stored.shape[1:]) if stored.shape else ()
+    target.copy_(_tensor_of(data, stored.dtype).reshape(shape)[within])
 
 
 def _tensor_of(data: bytes, dtype: torch.dtype) -> Tensor:

@@ -144,8 +144,8 @@ def test_plan_recommends_a_layout_for_70b_on_64_gpus(capsys: pytest.CaptureFixtu
     best, (*_, total, fits_best, step) = next(iter(table.items()))
     assert recommendation.startswith(f"Recommended: {best}: the shortest estimated step ({step} s) of the ")
     assert float(total) <= 80 and fits_best == "yes"
-    # Starting from a checkpoint costs each rank's host 16 MiB at a time, where from_pretrained holds 70.6B x 2 bytes.
-    assert load.startswith("Starting from pretrained weights (pretrained=): host memory per rank about 16 MiB, ")
+    # Starting from a checkpoint costs each rank's host 64 MiB at a time, where from_pretrained holds 70.6B x 2 bytes.
+    assert load.startswith("Starting from pretrained weights (pretrained=): host memory per rank about 64 MiB, ")
     assert load.endswith("from_pretrained on every rank holds 131.4 GiB per rank, 1051 GiB a node.")
     # 32 data-parallel ranks without tensor parallelism hold half of the 70B model's 16-bit weights each: too much.
     assert table["pp=2 x dp=32 x tp=1, ZeRO-2, full ckpt, 8 microbatches"][5] == "no"
