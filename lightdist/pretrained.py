@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.futures import Future
 
 from lightdist.pretrained_keys import KeyMap, Source, Stored, converted_as_transformers_does, pieces, renamed
+from lightdist.storage import storage_fix
 
 __all__ = [
     "PretrainedLoad",
@@ -125,7 +126,13 @@ class SafetensorsReader(StorageReader):
 
     def read_metadata(self) -> Metadata:
         if not self.tensors:
-            stored = {name: tensor for file in self._files() for name, tensor in self._read_header(file).items()}
+            try:
+                stored = {name: tensor for file in self._files() for name, tensor in self._read_header(file).items()}
+            except (FileNotFoundError, ValueError):  # a shard missing or truncated: named where it is found
+                raise
+            except Exception as error:  # no access, no credentials, no connection
+                fix = storage_fix(error, self.url, reading=True)
+                raise ValueError(f"lightdist cannot read the pretrained weights at {self.url}: {fix}") from error
             self.tensors = self.key_map(stored) if self.key_map else dict(stored)
         return Metadata(
             state_dict_metadata={

@@ -62,6 +62,7 @@ __all__ = [
     "remove",
     "resolve",
     "saved_model_tensors",
+    "storage_fix",
     "write_pointer",
 ]
 
@@ -116,11 +117,11 @@ def check_writable(url: str) -> None:
         fs.pipe_file(probe, b"")
         fs.rm_file(probe)
     except Exception as error:
-        raise ValueError(f"lightdist cannot write checkpoints to {url}: {_storage_fix(error, url)}") from error
+        raise ValueError(f"lightdist cannot write checkpoints to {url}: {storage_fix(error, url)}") from error
 
 
-def _storage_fix(error: Exception, url: str) -> str:
-    """The storage problem ``error`` stands for, and what fixes it."""
+def storage_fix(error: Exception, url: str, *, reading: bool = False) -> str:
+    """The storage problem ``error`` stands for, and what fixes it; ``reading``: the URL was read from, not written."""
     kinds = " ".join(cls.__name__ for cls in type(error).__mro__)
     if "Credentials" in kinds:
         return (
@@ -129,14 +130,25 @@ def _storage_fix(error: Exception, url: str) -> str:
         )
     if isinstance(error, FileNotFoundError):
         bucket = url.split("://", 1)[-1].split("/", 1)[0]
-        return f"{error}. Create the bucket {bucket!r} first, or correct the URL."
+        return (
+            f"{error}. Correct the URL."
+            if reading
+            else f"{error}. Create the bucket {bucket!r} first, or correct the URL."
+        )
     if isinstance(error, PermissionError):
+        if reading:
+            return (
+                f"{error}. Grant these credentials read access there (S3: s3:GetObject and s3:ListBucket; GCS: "
+                "storage.objects.get and storage.objects.list)."
+            )
         return f"{error}. Grant these credentials write access there, or choose another dirpath."
     if "Connection" in kinds or "Timeout" in kinds:
         return (
             f"{error}. Check the endpoint (AWS_ENDPOINT_URL, or storage_options' endpoint_url) and that the storage "
             "is reachable from this machine."
         )
+    if reading:
+        return f"{type(error).__name__}: {error}."
     return f"{type(error).__name__}: {error}. Choose a dirpath these processes can write to."
 
 
@@ -224,7 +236,7 @@ def _checkpoints_under(url: str) -> list[SavedCheckpoint]:
     except FileNotFoundError:  # no bucket, or no folder: nothing saved yet; the setup's write check names the fix
         return []
     except Exception as error:
-        raise ValueError(f"lightdist cannot look for checkpoints under {url}: {_storage_fix(error, url)}") from error
+        raise ValueError(f"lightdist cannot look for checkpoints under {url}: {storage_fix(error, url)}") from error
     directories: dict[str, dict[str, int]] = {}
     for path, info in files.items():
         directory, name = posixpath.split(path)

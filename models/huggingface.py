@@ -19,6 +19,7 @@ from torch import Tensor
 from lightdist.models.lm import CausalLM
 from lightdist.parallelize import materialize
 from lightdist.pretrained import PretrainedWeights, load_pretrained, parameters_on_meta
+from lightdist.storage import storage_fix
 
 __all__ = ["STATE_DICT_PREFIX", "HuggingFaceCausalLM", "pretrained_config"]
 
@@ -72,9 +73,13 @@ def pretrained_config(hyperparameters: Mapping[str, Any]) -> Any:
     """The ``transformers`` config of the model that a ``HuggingFaceCausalLM`` with these hyperparameters holds:
     what a checkpoint's saved hyperparameters need to rebuild it, for export."""
     transformers = _transformers()
-    if hyperparameters.get("pretrained") is not None:
-        fs, path = url_to_fs(hyperparameters["pretrained"])
-        options = json.loads(fs.cat_file(posixpath.join(path, "config.json")))
+    if (url := hyperparameters.get("pretrained")) is not None:
+        fs, path = url_to_fs(url)
+        try:
+            options = json.loads(fs.cat_file(posixpath.join(path, "config.json")))
+        except Exception as error:
+            fix = storage_fix(error, url, reading=True)
+            raise ValueError(f"lightdist cannot read the pretrained model's config.json at {url}: {fix}") from error
         return transformers.AutoConfig.for_model(options.pop("model_type"), **options)
     options = dict(hyperparameters.get("config") or {})
     if "model_type" not in options:

@@ -15,6 +15,7 @@ from pathlib import Path
 import litgpt
 import psutil
 import pytest
+import requests
 import torch
 import torch.nn.functional as F
 import transformers
@@ -369,17 +370,25 @@ def resident_growth(url: str, options: dict, devices: int) -> int:
 
 
 @pytest.mark.multirank
-def test_each_ranks_memory_falls_with_the_ranks_under_zero3(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["zero3", "tp2"])
+def test_each_ranks_memory_falls_with_the_ranks(tmp_path: Path, layout: str) -> None:
     """Each rank's resident memory grows by at most 1.25 x its share of the model plus one whole tensor (the
     embedding), where ``from_pretrained`` on every rank holds the whole model: the build takes no memory, and reads
-    are at most 64 MiB at a time. (Under tensor parallelism the layout probe's copies of a block stay resident
-    beside the shards, over this bound for a model this small.)"""
+    are at most 64 MiB at a time. Under tensor parallelism, plus what the layout probe ran before the model was
+    materialized: one block's attention and MLP, unsplit and split, each with its gradients, freed but kept resident
+    by the allocator; one block's, whatever the model's depth."""
     checkpoint = save_checkpoint(tmp_path, "llama_0.14b")
     tensors, _ = checkpoint_bytes(checkpoint)
     largest = 32000 * 1024 * 4
-    for devices, options in ((2, dict(zero_stage=3)), (4, dict(zero_stage=3))):
-        for growth in run_ranks(devices, resident_growth, str(checkpoint), options, devices, timeout=600):
-            assert growth <= 1.25 * tensors / devices + largest, (devices, options, growth / 2**20)
+    block = 4 * 1024 * 1024 + 3 * 1024 * 2816
+    probe = 4 * block * 4 if layout == "tp2" else 0
+    options = dict(zero_stage=3) if layout == "zero3" else dict(tensor_parallel_size=2)
+    grown = {}
+    for devices in (2, 4):
+        grown[devices] = run_ranks(devices, resident_growth, str(checkpoint), options, devices, timeout=600)
+        for growth in grown[devices]:
+            assert growth <= 1.25 * tensors / devices + largest + probe, (devices, options, growth / 2**20)
+    assert max(grown[4]) < max(grown[2])
 
 
 def train_refuse_and_resume(checkpoint: str, other_config: str, run: str, devices: int) -> tuple[str, int, bool]:
@@ -463,3 +472,18 @@ def test_a_new_head_is_refused_unless_listed_as_new_and_then_keeps_its_initialis
     torch.testing.assert_close(held["value_head.weight"], WithValueHead(checkpoint).value_head.weight)
     for key, tensor in from_pretrained(Path(checkpoint)).items():
         torch.testing.assert_close(held[key], tensor, rtol=0, atol=0, msg=key)
+
+
+def test_weights_these_credentials_may_not_read_are_refused_naming_the_fix(
+    tmp_path: Path, s3_endpoint: str, s3_bucket
+) -> None:
+    bucket, storage = s3_bucket
+    checkpoint = save_checkpoint(tmp_path, "qwen2")
+    storage.put(str(checkpoint), f"{bucket.split('://')[1]}/qwen2", recursive=True)
+    requests.post(f"{s3_endpoint}/moto-api/reset-auth", data=b"0", timeout=10)  # moto now checks every request's keys
+    strategy = ParallelStrategy(pretrained=f"{bucket}/qwen2", pretrained_prefix="model")
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False)
+    with pytest.raises(ValueError, match=rf"cannot read the pretrained weights at {bucket}/qwen2: .*read access"):
+        trainer.validate(OwnFineTuning(str(checkpoint)), windows(), verbose=False)
+    with pytest.raises(ValueError, match=rf"cannot read the pretrained model's config.json at {bucket}/qwen2: .*read"):
+        HuggingFaceCausalLM(pretrained=f"{bucket}/qwen2")
