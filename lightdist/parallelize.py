@@ -293,22 +293,30 @@ def parallelize(
     return result
 
 
-def materialize(model: nn.Module, device: torch.device, *, filled_after: bool = False) -> None:
+def materialize(model: nn.Module, device: torch.device, *, filled_after: Callable[[str], bool] | None = None) -> None:
     """Allocate on ``device`` the parameters and buffers a model built on the meta device holds once it is split, and
     initialize each module's by its ``reset_parameters``: a model too big for one device is built on meta
     (``trainer.init_module(empty_init=True)``, ``configure_model``) and only ever allocates its own shards.
 
     Buffers built on a device (a model built with ``lightdist.pretrained.parameters_on_meta``) keep their values, and
-    weights shared by several modules stay shared. A module with weights on meta that ``_initialize`` cannot
-    initialize keeps uninitialized memory; it is named in a warning, unless the weights are ``filled_after`` from a
-    checkpoint."""
-    on_meta = [
-        module
-        for module in model.modules()
+    weights shared by several modules stay shared. ``filled_after(name)``: whether a checkpoint fills the parameter
+    ``name`` next; a module holding only such tensors is left to it, as initializing a model about to be overwritten
+    is most of the time its start takes (2.0 of 3.3 s for a 0.45B model on a CPU). A module with weights on meta that
+    ``_initialize`` cannot initialize keeps uninitialized memory; it is named in a warning."""
+    on_meta = {
+        name: module
+        for name, module in model.named_modules()
         if any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)))
-    ]
+    }
     if not on_meta:
         return
+    left_to_fill = {
+        name
+        for name, module in on_meta.items()
+        if filled_after is not None
+        and not any(buffer.is_meta for buffer in module.buffers(recurse=False))
+        and all(filled_after(f"{name}.{leaf}".lstrip(".")) for leaf, _ in module.named_parameters(recurse=False))
+    }
     built = {name: buffer for name, buffer in model.named_buffers() if not buffer.is_meta}
     first_names: dict[int, str] = {}
     tied = {
@@ -322,8 +330,12 @@ def materialize(model: nn.Module, device: torch.device, *, filled_after: bool = 
         if model.get_parameter(name) is not model.get_parameter(first):
             owner, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(owner), leaf, model.get_parameter(first))
-    uninitialized = {type(module).__name__ for module in on_meta if not _initialize(module, device)}
-    if uninitialized and not filled_after:
+    uninitialized = {
+        type(module).__name__
+        for name, module in on_meta.items()
+        if name not in left_to_fill and not _initialize(module, device)
+    }
+    if uninitialized:
         warnings.warn(
             f"lightdist: {', '.join(sorted(uninitialized))} built on the meta device have no reset_parameters(), so "
             "their weights are uninitialized memory. Give them a reset_parameters(), or build the model on a device.",

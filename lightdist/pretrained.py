@@ -88,6 +88,10 @@ class PretrainedWeights:
     new: tuple[str, ...] = ()
     key_map: Mapping[str, str] = field(default_factory=dict)
 
+    def fills(self, name: str) -> bool:
+        """Whether the checkpoint fills the LightningModule's parameter ``name``: all but those named new."""
+        return name not in self.new
+
 
 @dataclass
 class PretrainedLoad:

@@ -59,11 +59,11 @@ class HuggingFaceCausalLM(CausalLM):
         """Under a strategy other than lightdist's, which fills the model once split: the whole model, read here."""
         from lightdist.plugins import ParallelStrategy
 
-        on_meta = any(parameter.is_meta for parameter in self.parameters())
-        if self.pretrained_weights is None or not on_meta or isinstance(self.trainer.strategy, ParallelStrategy):
+        weights, on_meta = self.pretrained_weights, any(parameter.is_meta for parameter in self.parameters())
+        if weights is None or not on_meta or isinstance(self.trainer.strategy, ParallelStrategy):
             return
-        materialize(self.model, self.device, filled_after=True)
-        load_pretrained(self, self.pretrained_weights)
+        materialize(self.model, self.device, filled_after=lambda name: weights.fills(STATE_DICT_PREFIX + name))
+        load_pretrained(self, weights)
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.model(input_ids=tokens).logits

@@ -162,7 +162,7 @@ class ParallelStrategy(CheckpointingStrategy):
         self.model = self._parallelize(self.lightning_module)
         reduce_metrics_over(self.lightning_module, self.device_mesh["dp"].get_group())
         with metrics_set_aside(self.lightning_module):
-            materialize(self.model, self.root_device, filled_after=weights is not None)
+            materialize(self.lightning_module, self.root_device, filled_after=weights.fills if weights else None)
         self.model = self.precision_plugin.convert_module(self.model)
         if not self._config.cpu_offload:
             self.model_to_device()

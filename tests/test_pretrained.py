@@ -30,6 +30,7 @@ from lightdist.plugins import ParallelStrategy
 from lightdist.pretrained import PretrainedWeights
 
 from multirank import raised, run_ranks
+from training import ShardedOrder
 from zoo import HF_TINY, HF_TINY_GPT2
 
 FAMILIES = {
@@ -389,6 +390,53 @@ def test_each_ranks_memory_falls_with_the_ranks(tmp_path: Path, layout: str) -> 
         for growth in grown[devices]:
             assert growth <= 1.25 * tensors / devices + largest + probe, (devices, options, growth / 2**20)
     assert max(grown[4]) < max(grown[2])
+
+
+class TrainLosses(Callback):
+    """Each training step's loss, as Lightning logs it (over the data-parallel ranks)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: Trainer, *args: object) -> None:
+        self.losses.append(trainer.callback_metrics["train_loss"].item())
+
+
+def trained_losses(url: str, layouts: list[dict], devices: int, sampled_as_ranks: int = 0) -> list[list[float]]:
+    """For each layout, the loss of each of 3 training steps of ``HuggingFaceCausalLM(pretrained=url)`` on batches of
+    4 windows a data-parallel rank; on one device, under plain Lightning, drawing the global batches that
+    ``sampled_as_ranks`` data-parallel ranks' shuffling samplers deal."""
+    results = []
+    for options in layouts:
+        losses = TrainLosses()
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=devices,
+            strategy=ParallelStrategy(**options) if devices > 1 else "auto",
+            max_steps=3,
+            callbacks=[losses],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        windows = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(0))
+        order = ShardedOrder(windows, sampled_as_ranks, 4, shuffle=True) if sampled_as_ranks else None
+        data = DataLoader(windows, batch_size=4) if order is None else DataLoader(windows, batch_sampler=order)
+        trainer.fit(HuggingFaceCausalLM(pretrained=url, learning_rate=1e-2, warmup_steps=1), data)
+        results.append(losses.losses)
+    return results
+
+
+@pytest.mark.multirank
+def test_a_model_started_from_pretrained_trains_as_from_pretrained_does_in_one_process(tmp_path: Path) -> None:
+    checkpoint = str(save_checkpoint(tmp_path, "qwen2"))
+    layouts = [dict(zero_stage=3), dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)]
+    trained = run_ranks(2, trained_losses, checkpoint, layouts, 2)[0]
+    for options, losses in zip(layouts, trained, strict=True):
+        dp = 2 if options.get("zero_stage") else 1
+        (expected,) = trained_losses(checkpoint, [{}], 1, sampled_as_ranks=dp)
+        assert losses == pytest.approx(expected, rel=1e-5), options
 
 
 def train_refuse_and_resume(checkpoint: str, other_config: str, run: str, devices: int) -> tuple[str, int, bool]:

@@ -453,6 +453,11 @@ class ShardedOrder(Sampler[list[int]]):
     def __len__(self) -> int:
         return -(-len(self.samplers[0]) // self.batch_size)
 
+    @property
+    def sampler(self) -> ShardedOrder:
+        """Lightning sets the epoch of a batch sampler's ``sampler`` only, not of the batch sampler: this one."""
+        return self
+
     def set_epoch(self, epoch: int) -> None:
         for sampler in self.samplers:
             sampler.set_epoch(epoch)
