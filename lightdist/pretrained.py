@@ -60,6 +60,7 @@ __all__ = [
 INDEX = "model.safetensors.index.json"
 READ_BYTES = 16 * 2**20  # the most one range read holds
 IN_FLIGHT_BYTES = 4 * READ_BYTES  # the most the reads under way hold in memory beside the model, together
+IN_FLIGHT_RANGES = 8  # requests under way at once: object stores and their emulators throttle more
 _DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -161,14 +162,15 @@ class SafetensorsReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Every slice of ``plan``, its ranges read concurrently (fsspec's ``cat_ranges``: object stores answer many
-        requests at once) in groups of at most ``IN_FLIGHT_BYTES``."""
+        requests at once) in groups of at most ``IN_FLIGHT_RANGES`` ranges and ``IN_FLIGHT_BYTES``."""
         targets = [planner.resolve_tensor(item).detach() for item in plan.items]
         group: list[_Range] = []
         for item, target in zip(plan.items, targets, strict=True):
             source = self.tensors[item.storage_index.fqn]
             for stored, view, offsets, lengths in pieces(source, target, item.storage_offsets, item.lengths):
                 for read in _ranges(view, stored, offsets, lengths):
-                    if group and sum(r.end - r.start for r in group) + read.end - read.start > IN_FLIGHT_BYTES:
+                    held = sum(r.end - r.start for r in group) + read.end - read.start
+                    if group and (len(group) == IN_FLIGHT_RANGES or held > IN_FLIGHT_BYTES):
                         self._read_group(group)
                         group = []
                     group.append(read)

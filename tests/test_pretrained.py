@@ -529,7 +529,8 @@ def test_weights_these_credentials_may_not_read_are_refused_naming_the_fix(
     checkpoint = save_checkpoint(tmp_path, "qwen2")
     storage.put(str(checkpoint), f"{bucket.split('://')[1]}/qwen2", recursive=True)
     requests.post(f"{s3_endpoint}/moto-api/reset-auth", data=b"0", timeout=10)  # moto now checks every request's keys
-    strategy = ParallelStrategy(pretrained=f"{bucket}/qwen2", pretrained_prefix="model")
+    endpoint = {"s3": {"endpoint_url": s3_endpoint}}  # over what an earlier test in this process configured
+    strategy = ParallelStrategy(pretrained=f"{bucket}/qwen2", pretrained_prefix="model", storage_options=endpoint)
     trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False)
     with pytest.raises(ValueError, match=rf"cannot read the pretrained weights at {bucket}/qwen2: .*read access"):
         trainer.validate(OwnFineTuning(str(checkpoint)), windows(), verbose=False)
