@@ -420,9 +420,10 @@ def trained_losses(url: str, layouts: list[dict], devices: int, sampled_as_ranks
             enable_progress_bar=False,
             enable_model_summary=False,
         )
-        windows = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(0))
-        order = ShardedOrder(windows, sampled_as_ranks, 4, shuffle=True) if sampled_as_ranks else None
-        data = DataLoader(windows, batch_size=4) if order is None else DataLoader(windows, batch_sampler=order)
+        data = windows()
+        if sampled_as_ranks:
+            order = ShardedOrder(data.dataset, sampled_as_ranks, data.batch_size, shuffle=True)
+            data = DataLoader(data.dataset, batch_sampler=order)
         trainer.fit(HuggingFaceCausalLM(pretrained=url, learning_rate=1e-2, warmup_steps=1), data)
         results.append(losses.losses)
     return results
