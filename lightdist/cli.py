@@ -5,6 +5,7 @@
 ``lightdist plan --config ...`` shows what tensor parallelism will do to the model, without allocating it.
 ``lightdist export CKPT OUT`` turns a sharded checkpoint into weights for the plain model (safetensors, torch, or a
 Hugging Face model). ``lightdist timeline DIR`` draws the pipeline schedule of the traces ``ProfileSteps`` wrote.
+``lightdist prepare TEXT... --tokenizer DIR --output URL`` tokenizes a corpus into shards that runs stream.
 ``lightdist fit --config ... --launcher ray --num-workers N`` trains on Ray Train's workers.
 ``--verbose`` (or ``LIGHTDIST_LOG=debug``) shows the third-party messages lightdist silences (``lightdist/quiet.py``).
 """
@@ -17,7 +18,7 @@ import sys
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
 import lightdist.plugins  # noqa: F401  (registers the strategy names before the config is parsed)
-from lightdist import export, plan, timeline
+from lightdist import export, plan, prepare, timeline
 
 __all__ = ["main"]
 
@@ -29,6 +30,7 @@ COMMANDS = {
         export.main,
         "a sharded checkpoint as weights for the plain model: safetensors, torch, or a Hugging Face model",
     ),
+    "prepare": (prepare.main, "a text corpus tokenized once into token shards at any URL, for runs to stream"),
     "timeline": (timeline.main, "the pipeline schedule of the traces ProfileSteps wrote, as one SVG of every rank"),
 }
 

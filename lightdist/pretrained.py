@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.futures import Future
 
 from lightdist.pretrained_keys import KeyMap, Source, Stored, converted_as_transformers_does, pieces, renamed
-from lightdist.storage import storage_fix
+from lightdist.storage import IN_FLIGHT_RANGES, storage_fix
 
 __all__ = [
     "PretrainedLoad",
@@ -60,7 +60,6 @@ __all__ = [
 INDEX = "model.safetensors.index.json"
 READ_BYTES = 16 * 2**20  # the most one range read holds
 IN_FLIGHT_BYTES = 4 * READ_BYTES  # the most the reads under way hold in memory beside the model, together
-IN_FLIGHT_RANGES = 8  # requests under way at once: object stores and their emulators throttle more
 _DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,

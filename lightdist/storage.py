@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from lightdist.torch_internals import FsspecReader
 
 __all__ = [
+    "IN_FLIGHT_RANGES",
     "LIGHTNING_METADATA_FILENAME",
     "MANIFEST_FILENAME",
     "SavedCheckpoint",
@@ -70,6 +71,8 @@ MANIFEST_FILENAME = "COMPLETE"
 # Where Lightning's sharded checkpoints keep its non-tensor state (its private ``_METADATA_FILENAME``), so that
 # Lightning's own loading reads lightdist's checkpoints too; a test pins the two equal.
 LIGHTNING_METADATA_FILENAME = "meta.pt"
+# Range requests under way at once, in a reader's one call: object stores and their emulators throttle more.
+IN_FLIGHT_RANGES = 8
 _POINTER_KEY = "lightdist_checkpoint"
 
 

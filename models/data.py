@@ -1,4 +1,5 @@
-"""Token data: a memory-mapped token file from any fsspec URL, or a learnable arithmetic corpus made on the spot.
+"""Token data: a corpus prepared by ``lightdist prepare`` or a flat file of token ids, read by range from any fsspec
+URL (lightdist/token_shards.py), or a learnable arithmetic corpus made on the spot.
 
 Samples are windows of ``seq_len + 1`` tokens at stride ``seq_len``, so every token is a target exactly once.
 Under lightdist the sampler shards windows by data-parallel rank only.
@@ -6,9 +7,9 @@ Under lightdist the sampler shards windows by data-parallel rank only.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Literal
 
-import fsspec
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
@@ -16,7 +17,11 @@ from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-__all__ = ["ARITHMETIC_ALPHABET", "TokenDataModule", "TokenWindows", "arithmetic_corpus", "open_token_file"]
+from lightdist.prepare import load_tokenizer
+from lightdist.token_shards import TokenShards
+from lightdist.vocabulary import check_vocabulary
+
+__all__ = ["ARITHMETIC_ALPHABET", "TokenDataModule", "TokenWindows", "arithmetic_corpus"]
 
 ARITHMETIC_ALPHABET = "0123456789+=\n"
 
@@ -37,35 +42,51 @@ def arithmetic_corpus(num_tokens: int, *, seed: int = 0) -> np.ndarray:
     return np.fromiter((t for line in pieces for t in line), dtype=np.uint16)[:num_tokens]
 
 
-def open_token_file(url: str, dtype: Literal["uint16", "uint32"] = "uint16") -> np.ndarray:
-    """Memory-map a flat file of token ids. Remote URLs (``s3://``, ``gs://``, ...) are cached locally first."""
-    if fsspec.utils.get_protocol(url) in ("file", "local"):
-        path = fsspec.core.strip_protocol(url)
-    else:
-        path = fsspec.open_local(f"simplecache::{url}")
-    return np.memmap(path, dtype=dtype, mode="r")
-
-
 class TokenWindows(Dataset):
-    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
-        if len(tokens) < seq_len + 1:
-            raise ValueError(f"{len(tokens)} tokens cannot fill one window of seq_len={seq_len} (+1 target).")
-        self.tokens, self.seq_len = tokens, seq_len
+    """Windows of ``seq_len + 1`` tokens at stride ``seq_len`` over tokens ``[start, stop)``; a batch's windows are
+    read together (``__getitems__``, which torch's loader calls with a batch's indices)."""
+
+    def __init__(self, tokens: TokenShards | np.ndarray, seq_len: int, start: int = 0, stop: int | None = None) -> None:
+        stop = len(tokens) if stop is None else stop
+        if stop - start < seq_len + 1:
+            raise ValueError(f"{stop - start} tokens cannot fill one window of seq_len={seq_len} (+1 target).")
+        self.tokens, self.seq_len, self.start, self.stop = tokens, seq_len, start, stop
 
     def __len__(self) -> int:
-        return (len(self.tokens) - 1) // self.seq_len
+        return (self.stop - self.start - 1) // self.seq_len
 
     def __getitem__(self, index: int) -> Tensor:
-        start = index * self.seq_len
-        return torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[Tensor]:
+        if any(not 0 <= index < len(self) for index in indices):
+            raise IndexError(f"windows {indices} are not all in [0, {len(self)})")
+        ranges = [(self.start + i * self.seq_len, self.start + (i + 1) * self.seq_len + 1) for i in indices]
+        if isinstance(self.tokens, np.ndarray):
+            windows = [self.tokens[start:stop] for start, stop in ranges]
+        else:
+            windows = self.tokens.read(ranges)
+        return [torch.from_numpy(window.astype(np.int64)) for window in windows]
+
+
+class _OrderDrawnOnFirstSample(DistributedSampler):
+    """torch's DistributedSampler, drawing the epoch's order when the first sample is asked for rather than when the
+    iterator is made. Lightning (2.6) makes the iterator of a run resumed at an epoch's end before it sets the next
+    epoch on the sampler: torch's own would deal the finished epoch's order again."""
+
+    def __iter__(self) -> Iterator[int]:
+        yield from super().__iter__()
 
 
 class TokenDataModule(LightningDataModule):
     """Token windows for causal language modelling.
 
     Args:
-        data_path: URL or path of a flat token file; ``None`` makes the arithmetic corpus in memory.
-        dtype: Element type of the token file.
+        data_path: URL or path of a corpus ``lightdist prepare`` made, or of a flat file of token ids; ``None`` makes
+            the arithmetic corpus in memory. Each rank reads its windows by range: nothing is downloaded whole.
+        dtype: Element type of a flat token file (a prepared corpus names its own).
+        tokenizer: The run's tokenizer (a folder or ``tokenizer.json``): a prepared corpus made by another one is
+            refused before training.
         seq_len: Tokens per sample (the model sees ``seq_len`` inputs and ``seq_len`` targets).
         batch_size: Samples per batch on each data-parallel rank (8 if neither size is given).
         global_batch_size: Samples per batch over all data-parallel ranks, in place of ``batch_size``: each rank
@@ -81,6 +102,7 @@ class TokenDataModule(LightningDataModule):
         self,
         data_path: str | None = None,
         dtype: Literal["uint16", "uint32"] = "uint16",
+        tokenizer: str | None = None,
         seq_len: int = 64,
         batch_size: int | None = None,
         global_batch_size: int | None = None,
@@ -98,7 +120,7 @@ class TokenDataModule(LightningDataModule):
                 f"batch_size={batch_size} (per rank) and global_batch_size={global_batch_size} (over all ranks) both"
                 " set the batch: give one of them."
             )
-        self.data_path, self.dtype = data_path, dtype
+        self.data_path, self.dtype, self.tokenizer = data_path, dtype, tokenizer
         self.seq_len, self.global_batch_size = seq_len, global_batch_size
         self.batch_size = 8 if batch_size is None and global_batch_size is None else batch_size
         self.val_fraction, self.synthetic_tokens = val_fraction, synthetic_tokens
@@ -110,21 +132,47 @@ class TokenDataModule(LightningDataModule):
         # Lightning sets up the data before it builds the model: a global batch that does not split fails here.
         self.batch_size = self._batch_per_rank()
         if self.data_path is None:
-            tokens = arithmetic_corpus(self.synthetic_tokens, seed=self.seed)
+            tokens: TokenShards | np.ndarray = arithmetic_corpus(self.synthetic_tokens, seed=self.seed)
         else:
-            tokens = open_token_file(self.data_path, self.dtype)
+            tokens = TokenShards.open(self.data_path, self.dtype)
+            self._check_tokenizer(tokens)
         split = int(len(tokens) * (1 - self.val_fraction))
-        self.train = TokenWindows(tokens[:split], self.seq_len)
+        self.train = TokenWindows(tokens, self.seq_len, stop=split)
         if self.val_fraction > 0:
-            self.val = TokenWindows(tokens[split:], self.seq_len)
+            self.val = TokenWindows(tokens, self.seq_len, start=split)
 
     def train_dataloader(self) -> StatefulDataLoader:
+        # Lightning asks for the loader once the model is built, and before the first step.
+        if self.trainer is not None and self.train is not None:
+            check_vocabulary(
+                self.trainer.lightning_module, self._vocabulary_size(), self.data_path or "the arithmetic corpus"
+            )
         return self._loader(self.train, shuffle=self.shuffle)
 
     def val_dataloader(self) -> StatefulDataLoader | list:
         if self.val_fraction == 0:
             return []  # Lightning skips validation
         return self._loader(self.val, shuffle=False)
+
+    def _vocabulary_size(self) -> int | None:
+        """Ids the data may hold: the tokenizer's vocabulary where it is known (a flat file does not say)."""
+        if self.data_path is None:
+            return len(ARITHMETIC_ALPHABET)
+        assert self.train is not None
+        tokenizer = getattr(self.train.tokens, "tokenizer", None)
+        return tokenizer.vocab_size if tokenizer else None
+
+    def _check_tokenizer(self, tokens: TokenShards) -> None:
+        if self.tokenizer is None or tokens.tokenizer is None:
+            return
+        _, run = load_tokenizer(self.tokenizer)
+        if run.sha256 != tokens.tokenizer.sha256:
+            raise ValueError(
+                f"{self.data_path} was prepared with the tokenizer at {tokens.tokenizer.name} (vocabulary of "
+                f"{tokens.tokenizer.vocab_size}), not with this run's {self.tokenizer} (vocabulary of "
+                f"{run.vocab_size}): its ids would mean other tokens to the model. Prepare the corpus again with this"
+                " run's tokenizer, or train with the one that prepared it."
+            )
 
     def _sharding(self) -> dict[str, int] | None:
         """How the strategy deals samples to data-parallel ranks; ``None`` in a single process."""
@@ -152,7 +200,7 @@ class TokenDataModule(LightningDataModule):
             )
         # Our own sampler, because Lightning's injected one always shuffles training data, and pre-shuffled token
         # files must keep their order. The strategy says how to shard: by data-parallel rank only.
-        sampler = DistributedSampler(dataset, shuffle=shuffle, seed=self.seed, drop_last=True, **sharding)
+        sampler = _OrderDrawnOnFirstSample(dataset, shuffle=shuffle, seed=self.seed, drop_last=True, **sharding)
         return StatefulDataLoader(
             dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True, num_workers=self.num_workers
         )

@@ -78,7 +78,8 @@ class CheckpointingStrategy(MeshStrategy):
         """
         trainer = self.lightning_module.trainer
         in_turn = deal_samples_in_turn(trainer.train_dataloader)
-        gather_rank_states(checkpoint, self.root_device, self.layout, self._data_parallel, in_turn)
+        epoch_done = trainer.fit_loop.epoch_loop.batch_progress.current.ready >= trainer.num_training_batches
+        gather_rank_states(checkpoint, self.root_device, self.layout, self._data_parallel, in_turn, epoch_done)
         checkpoint["state_dict"] = buffers_copied(self.lightning_module, checkpoint["state_dict"])
         url = self.broadcast(str(filepath))  # rank 0's path, so every rank writes into one checkpoint
         running = trainer.state.status == TrainerStatus.RUNNING

@@ -43,14 +43,20 @@ def gather_rank_states(
     layout: ParallelLayout,
     data_parallel: tuple[int, int],
     in_turn: bool,
+    epoch_done: bool,
 ) -> None:
     """Add the layout, and every rank's random state and data loader position, to rank 0's ``checkpoint``; every
     rank calls it.
 
     ``data_parallel``: this rank's (index, size) among the data-parallel ranks, which is what its loader's shard
     depends on. ``in_turn``: whether its loaders deal samples to the ranks in turn (``deal_samples_in_turn``).
+    ``epoch_done``: whether the epoch's batches are all drawn. Lightning's ``is_last_batch`` says so only where the
+    loader ran out, not where ``limit_train_batches`` ended the epoch first, and a run resumed from such a checkpoint
+    would train on the whole epoch again: the checkpoint says it, for Lightning to start the next epoch.
     """
     checkpoint[_LAYOUT] = asdict(layout)
+    if epoch_done:
+        _fit_loop(checkpoint).get("epoch_loop.batch_progress", {})["is_last_batch"] = True
     loaders = _fit_loop(checkpoint).get("state_dict", {}).get(_LOADERS)
     own = {"rng": rng_state(device), "data_parallel": data_parallel, "loaders": loaders, "in_turn": in_turn}
     every_rank = [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None

@@ -73,6 +73,7 @@ def s3_endpoint() -> Iterator[str]:
         _server(command, port, "moto's S3 server") as endpoint,
         _environment({"AWS_ENDPOINT_URL": endpoint, "FSSPEC_S3_ENDPOINT_URL": endpoint, **credentials}),
     ):
+        s3fs.S3FileSystem.clear_instance_cache()  # fsspec would hand out a filesystem of an earlier test's server
         yield endpoint
 
 

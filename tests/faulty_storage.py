@@ -38,12 +38,14 @@ SLOW_SECONDS = 1.0
 class FaultyStorage:
     """``with FaultyStorage(upstream, faults) as endpoint:`` serves at ``endpoint`` until the block ends.
 
-    ``injected`` counts the faults answered, so a test can check that its storage really misbehaved."""
+    ``injected`` counts the faults answered, so a test can check that its storage really misbehaved; ``served``,
+    the bytes of the bodies passed back from upstream, what clients downloaded."""
 
     def __init__(self, upstream: str, faults: FaultPlan) -> None:
         self.upstream = urlsplit(upstream).netloc
         self.faults = faults
         self.injected: Counter[Fault] = Counter()
+        self.served = 0
         self._seen: Counter[tuple[str, str]] = Counter()
         self._lock = threading.Lock()
         self.stopped = threading.Event()
@@ -102,6 +104,8 @@ def _relay_to(storage: FaultyStorage) -> type[BaseHTTPRequestHandler]:
                     if name.lower() not in ("transfer-encoding", "connection", "content-length")
                 }
                 self.answer(response.status, passed, data, length=response.getheader("Content-Length"))
+                with storage._lock:
+                    storage.served += len(data)
             finally:
                 upstream.close()
 

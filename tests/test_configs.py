@@ -16,6 +16,8 @@ import pytest
 from fsspec import AbstractFileSystem
 
 from lightdist.cli import main
+from lightdist.models.python_docs import MODULES, train_tokenizer, write_corpus
+from lightdist.prepare import prepare
 from lightdist.storage import resolve
 
 from multirank import run_each, run_ranks
@@ -66,6 +68,8 @@ ON_TWO_RANKS = {
     "s3": TINY_LLAMA,
     # its 2 expert-parallel ranks, the 2 data-parallel ones
     "moe_cpu": [f"{STRATEGY}.pipeline_parallel_size=1", f"{STRATEGY}.tensor_parallel_size=1"],
+    # the corpus prepared into the bucket first, as its header says (a few modules' docstrings)
+    "python_docs_s3_cpu": [f"{STRATEGY}.pipeline_parallel_size=1", f"{STRATEGY}.tensor_parallel_size=1"],
 }
 
 
@@ -83,9 +87,14 @@ def test_every_config_trains_on_two_cpu_ranks(
 ) -> None:
     _, s3 = s3_bucket
     s3.mkdir("lightdist")  # the bucket configs/s3.yaml names
+    s3.mkdir("lightdist-data")  # and configs/python_docs_s3_cpu.yaml's corpus
     calls = [(fit, (name, overrides, tmp_path / name, 2)) for name, overrides in ON_TWO_RANKS.items()]
     for name in ON_TWO_RANKS:
         (tmp_path / name).mkdir()
+    python_docs = tmp_path / "python_docs_s3_cpu" / "data" / "python_docs"
+    corpus = write_corpus(python_docs / "corpus", MODULES[:3])
+    tokenizer = train_tokenizer(corpus, python_docs / "tokenizer")
+    prepare([str(file) for file in corpus], str(tokenizer), "s3://lightdist-data/python_docs", processes=1)
     saved, _ = run_ranks(2, run_each, calls)
     assert dict(zip(ON_TWO_RANKS, saved, strict=True)) == {name: checkpoint_files(2) for name in ON_TWO_RANKS}
     # The S3 secret the ranks had in their environment is nowhere: not in what they printed, not in W&B's offline

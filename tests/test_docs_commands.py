@@ -49,6 +49,12 @@ SHELL_BLOCKS = {
     ".venv/bin/lightdist fit --config configs/tp2_zero3_cpu.yaml --launcher ray --num-workers 4 --max-failures 1": (
         "tests/test_ray.py::test_lightdist_fit_runs_a_config_on_ray_and_reports_its_metrics"
     ),
+    "lightdist prepare s3://corpus/raw/ --tokenizer ./tokenizer --output s3://corpus/tokens --text-field text": (
+        "tests/test_data.py::test_every_format_becomes_one_stream_of_documents_each_ended_by_eos"
+    ),
+    "python -m lightdist.models.python_docs data/python_docs\nlightdist prepare data/python_docs/corpus --tokenizer "
+    "data/python_docs/tokenizer --output s3://lightdist-data/python_docs\nlightdist fit --config "
+    "configs/python_docs_s3_cpu.yaml": "tests/test_configs.py::test_every_config_trains_on_two_cpu_ranks",
     "lightdist timeline runs/3d/traces": (
         "tests/test_pipeline.py::test_a_profiled_step_traces_each_stage_forward_and_backward_per_microbatch"
     ),

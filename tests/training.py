@@ -221,6 +221,7 @@ HF_TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_
 MODELS = {
     "llama": partial(Llama, "tiny"),
     "llama_tied": partial(Llama, "tiny", config={"tie_embeddings": True}),
+    "llama_vocab512": partial(Llama, "tiny", config={"vocab_size": 512}),  # for tokenizers trained on real text
     "gpt2": partial(GPT2, "tiny"),
     # The key bias's true gradient is zero (softmax ignores a constant added to all of a query's scores), so Adam turns
     # its float noise into learning-rate-sized steps that differ between layouts; tensor-parallel runs compare
@@ -370,6 +371,7 @@ class Case:
     val_check_interval: int | None = None  # also validate every this many batches while training
     # The batches: "windows" of tokens (one tensor); as people's loaders make them (LoaderBatches.FORMS)
     data: str = "windows"
+    data_path: str | None = None  # windows of a prepared corpus (lightdist prepare) there; None: the arithmetic one
     # Loader batches in a single process: drawn in the order of this many ranks' samplers (None: a parallel run's)
     sampled_as_ranks: int | None = None
 
@@ -553,6 +555,7 @@ def train(
         data = LoaderBatches(case.data, case.batch_size, case.seq_len, case.validate, case.sampled_as_ranks)
     else:
         data = TokenDataModule(
+            data_path=case.data_path,
             seq_len=case.seq_len,
             batch_size=case.batch_size if case.global_batch_size is None else None,
             global_batch_size=case.global_batch_size,

@@ -1,0 +1,290 @@
+"""Real text to training: a corpus tokenized once by ``lightdist prepare`` and streamed by range from local disk, S3
+and GCS. Every format is read into one stream, every bad input is named, a rank downloads its windows and not the
+corpus, and a run stopped anywhere resumes on the next sample, on as many data-parallel ranks or on another number.
+
+The corpus is real text that ships with Python (its standard library's docstrings) and the tokenizer a byte-level BPE
+trained on it on the spot (lightdist/models/python_docs.py), so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import shutil
+from functools import partial
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from fsspec import AbstractFileSystem
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+from tokenizers import Tokenizer
+from torch.utils.data import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from lightdist.models.data import TokenDataModule, TokenWindows
+from lightdist.models.python_docs import train_tokenizer, write_corpus
+from lightdist.prepare import prepare
+from lightdist.token_shards import TokenShards
+
+from faulty_storage import FaultyStorage
+from multirank import raised, run_each, run_ranks
+from training import Case, StopAfter, keep_two_newest, train
+
+MODULES = ("json", "csv", "pathlib", "string", "shutil", "uuid")  # about 60k tokens of docstrings
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Path], Path]:
+    """The docstrings of a few standard-library modules, one JSON-lines file each, and a 512-token BPE trained on
+    them."""
+    root = tmp_path_factory.mktemp("python_docs")
+    files = write_corpus(root / "corpus", MODULES)
+    return files, train_tokenizer(files, root / "tokenizer", vocab_size=512)
+
+
+def texts_of(file: Path) -> list[str]:
+    return [json.loads(line)["text"] for line in file.read_text().splitlines()]
+
+
+def encoded(tokenizer: Path, documents: list[str]) -> list[int]:
+    """What the stream must hold: each document's ids, then the end-of-sequence id."""
+    rust = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    eos = rust.token_to_id("<|endoftext|>")
+    return [i for document in documents for i in (*rust.encode(document, add_special_tokens=False).ids, eos)]
+
+
+def stream(url: str) -> list[int]:
+    shards = TokenShards.open(url)
+    (tokens,) = shards.read([(0, len(shards))])
+    return tokens.tolist()
+
+
+def test_every_format_becomes_one_stream_of_documents_each_ended_by_eos(
+    corpus: tuple[list[Path], Path], tmp_path: Path
+) -> None:
+    """JSON lines (gzipped), a JSON array, Parquet, plain text and a ``datasets.save_to_disk`` folder, tokenized by
+    two processes into small shards: one stream, in the inputs' order, with what was skipped counted."""
+    files, tokenizer = corpus
+    docs = [texts_of(file) for file in files]
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    records = [{"text": text} for text in docs[0]] + [{"title": "no text"}, {"text": ""}]
+    with gzip.open(inputs / "a.jsonl.gz", "wt") as file:
+        file.writelines(json.dumps(record) + "\n" for record in records)
+    (inputs / "b.json").write_text(json.dumps([{"text": text} for text in docs[1]]))
+    pq.write_table(pa.table({"text": docs[2]}), inputs / "c.parquet")
+    (inputs / "d.txt").write_text("\n\n".join(docs[3]))
+    (inputs / "e.jsonl").write_text("")
+    saved = tmp_path / "saved_dataset"  # the files datasets.save_to_disk writes: Arrow streams named in state.json
+    saved.mkdir()
+    for i, part in enumerate((docs[4], docs[5])):
+        with pa.ipc.new_stream(saved / f"data-0000{i}-of-00002.arrow", pa.schema([("text", pa.string())])) as writer:
+            writer.write_table(pa.table({"text": part}))
+    state = {"_data_files": [{"filename": f"data-0000{i}-of-00002.arrow"} for i in range(2)]}
+    (saved / "state.json").write_text(json.dumps(state))
+
+    output = str(tmp_path / "tokens")
+    index = prepare([str(inputs), str(saved)], str(tokenizer), output, processes=2, shard_tokens=4096)
+
+    documents = [*docs[0], *docs[1], *docs[2], "\n\n".join(docs[3]), *docs[4], *docs[5]]
+    assert stream(output) == encoded(tokenizer, documents)
+    assert index["documents"] == len(documents)
+    assert index["skipped"] == {"records without a text field 'text'": 1, "empty documents": 1}
+    assert [Path(url).name for url in index["empty_files"]] == ["e.jsonl"]
+    assert len(index["shards"]) > len(index["sources"])  # each source's shards roll over at about 4096 tokens
+    assert prepare([str(inputs), str(saved)], str(tokenizer), output) == index  # done already: nothing redone
+
+
+def test_an_interrupted_prepare_keeps_the_files_it_finished(corpus: tuple[list[Path], Path], tmp_path: Path) -> None:
+    files, tokenizer = corpus
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    shutil.copy(files[0], inputs / "a.jsonl")
+    (inputs / "b.jsonl").write_bytes(files[1].read_bytes() + b'{"text": "caf\xe9"}\n')  # Latin-1, not UTF-8
+    output = tmp_path / "tokens"
+    error = raised(partial(prepare, processes=1), [str(inputs)], str(tokenizer), str(output))
+    assert re.search(r"b\.jsonl: bytes that are not UTF-8 after record \d+ .* Convert the file to UTF-8", error)
+    assert not (output / "index.json").exists()  # never read as complete
+    finished = (output / "00000-0000.bin").stat().st_mtime_ns
+
+    shutil.copy(files[1], inputs / "b.jsonl")
+    prepare([str(inputs)], str(tokenizer), str(output), processes=1)
+    assert (output / "00000-0000.bin").stat().st_mtime_ns == finished  # kept, not tokenized again
+    assert stream(str(output)) == encoded(tokenizer, texts_of(files[0]) + texts_of(files[1]))
+
+
+def test_bad_corpora_are_named_with_their_fix(corpus: tuple[list[Path], Path], tmp_path: Path) -> None:
+    _, tokenizer = corpus
+    (tmp_path / "fields.jsonl").write_text('{"content": "a document", "id": 1}\n' * 3)
+    (tmp_path / "broken.jsonl").write_text('{"text": "one"}\n{"text": "two"\n')
+    (tmp_path / "notes.md").write_text("# a document")
+    no_eos = tmp_path / "no_eos"
+    rust = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    rust.add_special_tokens(["<sep>"])
+    json_tokenizer = json.loads(rust.to_str())
+    json_tokenizer["added_tokens"] = [t for t in json_tokenizer["added_tokens"] if t["content"] != "<|endoftext|>"]
+    json_tokenizer["model"]["vocab"].pop("<|endoftext|>")
+    no_eos.mkdir()
+    (no_eos / "tokenizer.json").write_text(json.dumps(json_tokenizer))
+
+    def error(inputs: str, tokenizer_at: Path = tokenizer) -> str:
+        return raised(prepare, [str(tmp_path / inputs)], str(tokenizer_at), str(tmp_path / "out" / inputs))
+
+    assert "3 records without a text field 'text'" in error("fields.jsonl")
+    assert "Their records have the fields content, id: name one with --text-field" in error("fields.jsonl")
+    assert "broken.jsonl: record 2 is not JSON" in error("broken.jsonl")
+    assert "notes.md: not a file lightdist prepare reads" in error("notes.md")
+    assert "names no text files" in error("missing*.jsonl")
+    assert "Name the token that ends documents with --eos-token" in error("fields.jsonl", no_eos)
+
+
+def test_a_prepared_corpus_cut_short_or_made_by_another_tokenizer_is_refused(
+    corpus: tuple[list[Path], Path], tmp_path: Path
+) -> None:
+    files, tokenizer = corpus
+    output = tmp_path / "tokens"
+    prepare([str(files[0]), str(files[1])], str(tokenizer), str(output), processes=1)
+    other = train_tokenizer(files[2:], tmp_path / "other_tokenizer", vocab_size=300)
+
+    data = TokenDataModule(data_path=str(output), tokenizer=str(other))
+    assert "not with this run's" in raised(data.setup)
+    assert "Prepare the corpus again with this run's tokenizer" in raised(data.setup)
+    TokenDataModule(data_path=str(output), tokenizer=str(tokenizer)).setup()  # its own: accepted
+
+    shard = output / "00001-0000.bin"
+    shard.write_bytes(shard.read_bytes()[:-6])
+    assert re.search(r"shard 00001-0000\.bin holds \d+ bytes, where its index says", raised(TokenShards.open, output))
+    shard.unlink()
+    assert "shard 00001-0000.bin is missing" in raised(TokenShards.open, str(output))
+
+
+def test_a_vocabulary_larger_than_the_models_embedding_is_refused_before_the_first_step(
+    corpus: tuple[list[Path], Path], tmp_path: Path
+) -> None:
+    files, tokenizer = corpus
+    prepare([str(files[0])], str(tokenizer), str(tmp_path / "tokens"))
+    case = Case(model="llama", data_path=str(tmp_path / "tokens"), steps=1)  # the tiny Llama: 64 rows
+    assert re.search(r"holds token ids up to 511 .* embedding has 64 rows", raised(train, case))
+    assert train(Case(model="llama_vocab512", data_path=str(tmp_path / "tokens"), steps=1)).losses
+
+
+def test_each_rank_downloads_its_windows_from_s3_and_gcs_not_the_corpus(
+    corpus: tuple[list[Path], Path],
+    s3_endpoint: str,
+    s3_bucket: tuple[str, AbstractFileSystem],
+    gcs_bucket: tuple[str, AbstractFileSystem],
+    tmp_path: Path,
+) -> None:
+    """Two data-parallel ranks' loaders, 4 shuffled batches each, through a proxy that counts the bytes the storage
+    sends: the same windows as from local disk, and those windows' bytes exactly, of a corpus a hundred times more."""
+    files, tokenizer = corpus
+    inputs = [str(file) for file in files] * 3  # the corpus three times over: about 100k tokens
+    local = str(tmp_path / "tokens")
+    prepare(inputs, str(tokenizer), local, processes=1)
+    endpoints = {s3_bucket[0]: s3_endpoint, gcs_bucket[0]: os.environ["STORAGE_EMULATOR_HOST"]}
+    for bucket, endpoint in endpoints.items():
+        remote = f"{bucket}/tokens"
+        prepare(inputs, str(tokenizer), remote, processes=1)
+        counting = FaultyStorage(endpoint, faults=lambda *_: None)
+        with counting as proxy:
+            tokens = TokenShards.open(remote, endpoint_url=proxy, skip_instance_cache=True)
+            for rank in range(2):
+                served = counting.served
+                batches = first_batches(TokenWindows(tokens, SEQ_LEN), rank)
+                assert torch.equal(batches, first_batches(TokenWindows(TokenShards.open(local), SEQ_LEN), rank))
+                downloaded = counting.served - served
+                assert downloaded == batches.numel() * 2  # uint16 ids
+                assert downloaded * 100 < len(tokens) * 2, bucket
+
+
+SEQ_LEN = 64
+
+
+def first_batches(windows: TokenWindows, rank: int, batches: int = 4) -> torch.Tensor:
+    sampler = DistributedSampler(windows, num_replicas=2, rank=rank, shuffle=True, seed=0)
+    loader = StatefulDataLoader(windows, batch_size=4, sampler=sampler)
+    return torch.cat([batch for _, batch in zip(range(batches), loader, strict=False)])
+
+
+# Resumes: the corpus on S3, 2 epochs of 3 global batches of 4 shuffled windows; each run records its batches.
+EPOCH = 3
+
+
+def on_s3(data_path: str, **strategy: int) -> Case:
+    return Case(
+        strategy=strategy,
+        model="llama_vocab512",
+        data_path=data_path,
+        steps=2 * EPOCH,
+        limit_train_batches=EPOCH,
+        global_batch_size=4,
+        shuffle=True,
+    )
+
+
+class RecordBatches(Callback):
+    def __init__(self) -> None:
+        self.batches: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.batches.append(batch.clone())
+
+
+def run(case: Case, devices: int, resume_from: str | None = None) -> list[torch.Tensor]:
+    """This rank's batches of ``case`` on ``devices`` ranks, from the start or resumed from a checkpoint."""
+    record = RecordBatches()
+    train(case, devices, callbacks=[record], resume_from=resume_from)
+    return record.batches
+
+
+def stopped(case: Case, devices: int, steps: int, run: str) -> list[torch.Tensor]:
+    """This rank's batches of ``case`` stopped after ``steps``, each step saved to ``run`` by Lightning's own
+    ModelCheckpoint, as a preempted job's."""
+    record = RecordBatches()
+    train(case, devices, callbacks=[record, keep_two_newest(run, kind=LightningModelCheckpoint), StopAfter(steps)])
+    return record.batches
+
+
+def global_batches(per_rank: list[list[torch.Tensor]]) -> list[list[tuple[int, ...]]]:
+    """Each step's windows over all ranks, as sorted token tuples: a global batch is a set of samples."""
+    return [sorted(tuple(w.tolist()) for batch in step for w in batch) for step in zip(*per_rank, strict=True)]
+
+
+def test_a_run_streamed_from_s3_resumes_on_the_next_sample_wherever_it_stopped_on_any_data_parallel_size(
+    corpus: tuple[list[Path], Path], s3_bucket: tuple[str, AbstractFileSystem], tmp_path: Path
+) -> None:
+    """Stopped mid-epoch (step 2) or on an epoch's last batch (step 3), resumed on 2 data-parallel ranks or 1, and
+    from 1 on 2: each resumed run draws exactly the global batches the uninterrupted run drew from there on."""
+    files, tokenizer = corpus
+    data = f"{s3_bucket[0]}/tokens"
+    prepare([str(file) for file in files], str(tokenizer), data)
+    case = on_s3(data)
+    saved = {name: str(tmp_path / name) for name in ("dp1_mid", "dp2_mid", "dp2_last")}
+    mid, last = "epoch=0-step=2.ckpt", f"epoch=0-step={EPOCH}.ckpt"
+    ((one_rank, _),) = run_ranks(1, run_each, [(run, (case, 1)), (stopped, (case, 1, 2, saved["dp1_mid"]))])
+    calls = [
+        (run, (case, 2)),
+        (stopped, (case, 2, 2, saved["dp2_mid"])),
+        (stopped, (case, 2, EPOCH, saved["dp2_last"])),
+        (run, (case, 2, f"{saved['dp2_mid']}/{mid}")),
+        (run, (case, 2, f"{saved['dp2_last']}/{last}")),
+        (run, (case, 2, f"{saved['dp1_mid']}/{mid}")),
+    ]
+    two_ranks = [global_batches(list(runs)) for runs in zip(*run_ranks(2, run_each, calls), strict=True)]
+    ((dp2_mid_on_dp1,),) = run_ranks(1, run_each, [(run, (case, 1, f"{saved['dp2_mid']}/{mid}"))])
+
+    uninterrupted, stopped_mid, stopped_last, mid_on_dp2, last_on_dp2, dp1_mid_on_dp2 = two_ranks
+    assert global_batches([one_rank]) == uninterrupted  # the same global batches on 1 rank as on 2
+    assert len(uninterrupted) == 2 * EPOCH
+    assert len({window for step in uninterrupted[:EPOCH] for window in step}) == 4 * EPOCH  # none twice in an epoch
+    assert stopped_mid == uninterrupted[:2] and stopped_last == uninterrupted[:EPOCH]
+    assert mid_on_dp2 == uninterrupted[2:]
+    assert last_on_dp2 == uninterrupted[EPOCH:]  # the next epoch's first batch: none replayed
+    assert dp1_mid_on_dp2 == uninterrupted[2:]
+    assert global_batches([dp2_mid_on_dp1]) == uninterrupted[2:]
