@@ -388,8 +388,11 @@ def _in_processes(
     work: Callable, todo: list[int], workers: int, advance: Callable[[int, int, int], None]
 ) -> dict[int, dict[str, Any]]:
     """``work`` on each source in its own process; each tokenizer's threads share the cores out between them."""
-    os.environ["RAYON_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))  # inherited by the workers
-    with Manager() as manager, ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    with (
+        Manager() as manager,
+        ProcessPoolExecutor(workers, get_context("spawn"), initializer=_tokenizer_threads, initargs=(threads,)) as pool,
+    ):
         queue = manager.Queue()
         futures = {pool.submit(work, i, partial(_put, queue)): i for i in todo}
         pending = set(futures)
@@ -400,6 +403,10 @@ def _in_processes(
         while not queue.empty():
             advance(*queue.get())
         return {futures[future]: future.result() for future in futures}
+
+
+def _tokenizer_threads(threads: int) -> None:
+    os.environ["RAYON_NUM_THREADS"] = str(threads)  # read when the tokenizer first encodes a batch
 
 
 def _finished(fs: Any, folder: str, i: int, source: Source, tokenizer: Tokenizer) -> dict[str, Any] | None:

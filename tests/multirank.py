@@ -13,6 +13,7 @@ import os
 import queue
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -56,6 +57,13 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
     except BaseException:
         results.put((rank, None, traceback.format_exc()))
         raise
+    # The result is out: leave without the interpreter's teardown, where gloo's and torch's threads, destroyed in no
+    # particular order, now and then abort the process ("terminate called without an active exception").
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0) -> list[Any]:
@@ -94,9 +102,8 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0)
             proc.join(timeout=5 if failed else 60)
         errors = _killed(procs) + errors
         for proc in procs:
-            if failed or proc.is_alive():
-                with contextlib.suppress(ProcessLookupError):  # the rank, if alive, and its checkpoint daemon
-                    os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # the rank, if alive, and its checkpoint daemon
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.join()
     if errors:
         raise RuntimeError("\n".join(errors))

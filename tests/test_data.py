@@ -260,31 +260,37 @@ def test_a_run_streamed_from_s3_resumes_on_the_next_sample_wherever_it_stopped_o
     corpus: tuple[list[Path], Path], s3_bucket: tuple[str, AbstractFileSystem], tmp_path: Path
 ) -> None:
     """Stopped mid-epoch (step 2) or on an epoch's last batch (step 3), resumed on 2 data-parallel ranks or 1, and
-    from 1 on 2: each resumed run draws exactly the global batches the uninterrupted run drew from there on."""
+    from 1 on 2: each resumed run draws exactly the global batches the uninterrupted run drew from there on. One
+    data-parallel rank is 2 tensor-parallel ranks here, which see the same batches: one group of processes for all."""
     files, tokenizer = corpus
     data = f"{s3_bucket[0]}/tokens"
-    prepare([str(file) for file in files], str(tokenizer), data)
-    case = on_s3(data)
+    prepare([str(file) for file in files], str(tokenizer), data, processes=1)
+    dp2, dp1 = on_s3(data), on_s3(data, tensor_parallel_size=2)
     saved = {name: str(tmp_path / name) for name in ("dp1_mid", "dp2_mid", "dp2_last")}
     mid, last = "epoch=0-step=2.ckpt", f"epoch=0-step={EPOCH}.ckpt"
-    ((one_rank, _),) = run_ranks(1, run_each, [(run, (case, 1)), (stopped, (case, 1, 2, saved["dp1_mid"]))])
-    calls = [
-        (run, (case, 2)),
-        (stopped, (case, 2, 2, saved["dp2_mid"])),
-        (stopped, (case, 2, EPOCH, saved["dp2_last"])),
-        (run, (case, 2, f"{saved['dp2_mid']}/{mid}")),
-        (run, (case, 2, f"{saved['dp2_last']}/{last}")),
-        (run, (case, 2, f"{saved['dp1_mid']}/{mid}")),
-    ]
-    two_ranks = [global_batches(list(runs)) for runs in zip(*run_ranks(2, run_each, calls), strict=True)]
-    ((dp2_mid_on_dp1,),) = run_ranks(1, run_each, [(run, (case, 1, f"{saved['dp2_mid']}/{mid}"))])
+    calls = {
+        "uninterrupted": (run, (dp2, 2)),
+        "uninterrupted_on_dp1": (run, (dp1, 2)),
+        "stopped_mid": (stopped, (dp2, 2, 2, saved["dp2_mid"])),
+        "stopped_last": (stopped, (dp2, 2, EPOCH, saved["dp2_last"])),
+        "stopped_mid_on_dp1": (stopped, (dp1, 2, 2, saved["dp1_mid"])),
+        "mid_resumed": (run, (dp2, 2, f"{saved['dp2_mid']}/{mid}")),
+        "last_resumed": (run, (dp2, 2, f"{saved['dp2_last']}/{last}")),
+        "mid_resumed_on_dp1": (run, (dp1, 2, f"{saved['dp2_mid']}/{mid}")),
+        "mid_on_dp1_resumed_on_dp2": (run, (dp2, 2, f"{saved['dp1_mid']}/{mid}")),
+    }
+    per_rank = run_ranks(2, run_each, list(calls.values()))
+    drawn = {
+        name: global_batches(list(runs) if calls[name][1][0] is dp2 else [runs[0]])  # a tp pair: one rank's batches
+        for name, runs in zip(calls, zip(*per_rank, strict=True), strict=True)
+    }
 
-    uninterrupted, stopped_mid, stopped_last, mid_on_dp2, last_on_dp2, dp1_mid_on_dp2 = two_ranks
-    assert global_batches([one_rank]) == uninterrupted  # the same global batches on 1 rank as on 2
+    uninterrupted = drawn["uninterrupted"]
     assert len(uninterrupted) == 2 * EPOCH
     assert len({window for step in uninterrupted[:EPOCH] for window in step}) == 4 * EPOCH  # none twice in an epoch
-    assert stopped_mid == uninterrupted[:2] and stopped_last == uninterrupted[:EPOCH]
-    assert mid_on_dp2 == uninterrupted[2:]
-    assert last_on_dp2 == uninterrupted[EPOCH:]  # the next epoch's first batch: none replayed
-    assert dp1_mid_on_dp2 == uninterrupted[2:]
-    assert global_batches([dp2_mid_on_dp1]) == uninterrupted[2:]
+    assert drawn["uninterrupted_on_dp1"] == uninterrupted  # the same global batches on 1 data-parallel rank as on 2
+    assert drawn["stopped_mid"] == drawn["stopped_mid_on_dp1"] == uninterrupted[:2]
+    assert drawn["stopped_last"] == uninterrupted[:EPOCH]
+    assert drawn["mid_resumed"] == drawn["mid_resumed_on_dp1"] == uninterrupted[2:]
+    assert drawn["last_resumed"] == uninterrupted[EPOCH:]  # the next epoch's first batch: none replayed
+    assert drawn["mid_on_dp1_resumed_on_dp2"] == uninterrupted[2:]
