@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from lightdist.mixture import Mixture
 from lightdist.prepare import load_tokenizer
 from lightdist.token_shards import TokenShards
 from lightdist.vocabulary import check_vocabulary
@@ -82,8 +83,11 @@ class TokenDataModule(LightningDataModule):
     """Token windows for causal language modelling.
 
     Args:
-        data_path: URL or path of a corpus ``lightdist prepare`` made, or of a flat file of token ids; ``None`` makes
-            the arithmetic corpus in memory. Each rank reads its windows by range: nothing is downloaded whole.
+        data_path: URL or path of a corpus ``lightdist prepare`` made, or of a flat file of token ids, or a list of
+            them to blend; ``None`` makes the arithmetic corpus in memory. Each rank reads its windows by range:
+            nothing is downloaded whole.
+        weights: Each corpus's share of the training samples where ``data_path`` lists several (``None``: in
+            proportion to their tokens, each window once an epoch); validation takes each one's held-out tail whole.
         dtype: Element type of a flat token file (a prepared corpus names its own).
         tokenizer: The run's tokenizer (a folder or ``tokenizer.json``): a prepared corpus made by another one is
             refused before training.
@@ -100,7 +104,8 @@ class TokenDataModule(LightningDataModule):
 
     def __init__(
         self,
-        data_path: str | None = None,
+        data_path: str | list[str] | None = None,
+        weights: list[float] | None = None,
         dtype: Literal["uint16", "uint32"] = "uint16",
         tokenizer: str | None = None,
         seq_len: int = 64,
@@ -120,33 +125,43 @@ class TokenDataModule(LightningDataModule):
                 f"batch_size={batch_size} (per rank) and global_batch_size={global_batch_size} (over all ranks) both"
                 " set the batch: give one of them."
             )
-        self.data_path, self.dtype, self.tokenizer = data_path, dtype, tokenizer
+        self.data_path, self.weights, self.dtype, self.tokenizer = data_path, weights, dtype, tokenizer
         self.seq_len, self.global_batch_size = seq_len, global_batch_size
         self.batch_size = 8 if batch_size is None and global_batch_size is None else batch_size
         self.val_fraction, self.synthetic_tokens = val_fraction, synthetic_tokens
         self.shuffle, self.seed, self.num_workers = shuffle, seed, num_workers
-        self.train: TokenWindows | None = None
-        self.val: TokenWindows | None = None
+        self.train: TokenWindows | Mixture | None = None
+        self.val: TokenWindows | Mixture | None = None
+        self.corpora: list[TokenShards] = []
 
     def setup(self, stage: str | None = None) -> None:
         # Lightning sets up the data before it builds the model: a global batch that does not split fails here.
         self.batch_size = self._batch_per_rank()
         if self.data_path is None:
             tokens: TokenShards | np.ndarray = arithmetic_corpus(self.synthetic_tokens, seed=self.seed)
-        else:
-            tokens = TokenShards.open(self.data_path, self.dtype)
-            self._check_tokenizer(tokens)
+            self.train, self.val = self._split(tokens)
+            return
+        paths = [self.data_path] if isinstance(self.data_path, str) else self.data_path
+        self.corpora = [TokenShards.open(path, self.dtype) for path in paths]
+        self._check_tokenizers()
+        if len(paths) == 1 and self.weights is None:
+            self.train, self.val = self._split(self.corpora[0])
+            return
+        trains, vals = zip(*(self._split(tokens) for tokens in self.corpora), strict=True)
+        self.train = Mixture(trains, self.weights, seed=self.seed)
+        self.val = Mixture(vals) if self.val_fraction > 0 else None
+
+    def _split(self, tokens: TokenShards | np.ndarray) -> tuple[TokenWindows, TokenWindows | None]:
+        """Training windows, and validation's from the last ``val_fraction`` of the tokens."""
         split = int(len(tokens) * (1 - self.val_fraction))
-        self.train = TokenWindows(tokens, self.seq_len, stop=split)
-        if self.val_fraction > 0:
-            self.val = TokenWindows(tokens, self.seq_len, start=split)
+        train = TokenWindows(tokens, self.seq_len, stop=split)
+        return train, TokenWindows(tokens, self.seq_len, start=split) if self.val_fraction > 0 else None
 
     def train_dataloader(self) -> StatefulDataLoader:
         # Lightning asks for the loader once the model is built, and before the first step.
         if self.trainer is not None and self.train is not None:
-            check_vocabulary(
-                self.trainer.lightning_module, self._vocabulary_size(), self.data_path or "the arithmetic corpus"
-            )
+            data = ", ".join(corpus.url for corpus in self.corpora) or "the arithmetic corpus"
+            check_vocabulary(self.trainer.lightning_module, self._vocabulary_size(), data)
         return self._loader(self.train, shuffle=self.shuffle)
 
     def val_dataloader(self) -> StatefulDataLoader | list:
@@ -158,21 +173,27 @@ class TokenDataModule(LightningDataModule):
         """Ids the data may hold: the tokenizer's vocabulary where it is known (a flat file does not say)."""
         if self.data_path is None:
             return len(ARITHMETIC_ALPHABET)
-        assert self.train is not None
-        tokenizer = getattr(self.train.tokens, "tokenizer", None)
-        return tokenizer.vocab_size if tokenizer else None
+        return max((corpus.tokenizer.vocab_size for corpus in self.corpora if corpus.tokenizer), default=None)
 
-    def _check_tokenizer(self, tokens: TokenShards) -> None:
-        if self.tokenizer is None or tokens.tokenizer is None:
+    def _check_tokenizers(self) -> None:
+        """Every prepared corpus made by one tokenizer, the run's where the run names one."""
+        prepared = [corpus for corpus in self.corpora if corpus.tokenizer is not None]
+        if not prepared:
             return
-        _, run = load_tokenizer(self.tokenizer)
-        if run.sha256 != tokens.tokenizer.sha256:
-            raise ValueError(
-                f"{self.data_path} was prepared with the tokenizer at {tokens.tokenizer.name} (vocabulary of "
-                f"{tokens.tokenizer.vocab_size}), not with this run's {self.tokenizer} (vocabulary of "
-                f"{run.vocab_size}): its ids would mean other tokens to the model. Prepare the corpus again with this"
-                " run's tokenizer, or train with the one that prepared it."
-            )
+        if self.tokenizer is not None:
+            _, expected = load_tokenizer(self.tokenizer)
+            named = f"this run's {self.tokenizer}"
+        else:
+            expected = prepared[0].tokenizer
+            named = f"{expected.name}, which prepared {prepared[0].url}"
+        for corpus in prepared:
+            if corpus.tokenizer.sha256 != expected.sha256:
+                raise ValueError(
+                    f"{corpus.url} was prepared with the tokenizer at {corpus.tokenizer.name} (vocabulary of "
+                    f"{corpus.tokenizer.vocab_size}), not with {named} (vocabulary of {expected.vocab_size}): its ids "
+                    "would mean other tokens to the model. Prepare the corpus again with the run's tokenizer, or "
+                    "train with the one that prepared it."
+                )
 
     def _sharding(self) -> dict[str, int] | None:
         """How the strategy deals samples to data-parallel ranks; ``None`` in a single process."""
@@ -190,7 +211,7 @@ class TokenDataModule(LightningDataModule):
             )
         return self.global_batch_size // ranks
 
-    def _loader(self, dataset: TokenWindows | None, *, shuffle: bool) -> StatefulDataLoader:
+    def _loader(self, dataset: TokenWindows | Mixture | None, *, shuffle: bool) -> StatefulDataLoader:
         if dataset is None:
             raise RuntimeError("Call setup() before asking for a dataloader.")
         sharding = self._sharding()

@@ -13,9 +13,11 @@ import json
 import os
 import re
 import shutil
+from collections import Counter
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -154,7 +156,7 @@ def test_a_prepared_corpus_cut_short_or_made_by_another_tokenizer_is_refused(
 
     data = TokenDataModule(data_path=str(output), tokenizer=str(other))
     assert "not with this run's" in raised(data.setup)
-    assert "Prepare the corpus again with this run's tokenizer" in raised(data.setup)
+    assert "Prepare the corpus again with the run's tokenizer" in raised(data.setup)
     TokenDataModule(data_path=str(output), tokenizer=str(tokenizer)).setup()  # its own: accepted
 
     shard = output / "00001-0000.bin"
@@ -172,6 +174,50 @@ def test_a_vocabulary_larger_than_the_models_embedding_is_refused_before_the_fir
     case = Case(model="llama", data_path=str(tmp_path / "tokens"), steps=1)  # the tiny Llama: 64 rows
     assert re.search(r"holds token ids up to 511 .* embedding has 64 rows", raised(train, case))
     assert train(Case(model="llama_vocab512", data_path=str(tmp_path / "tokens"), steps=1)).losses
+
+
+def test_a_mixture_draws_each_corpus_by_its_weight_in_an_order_the_seed_fixes(
+    corpus: tuple[list[Path], Path], tmp_path: Path
+) -> None:
+    """Two corpora weighed 3:1, the first much the smaller: an epoch holds their windows in that proportion, the
+    small corpus's each drawn as often as the others, the large one's a random subset, evenly interleaved; validation
+    holds each one's held-out windows once."""
+    files, tokenizer = corpus
+    small, large = str(tmp_path / "small"), str(tmp_path / "large")
+    prepare([str(files[0])], str(tokenizer), small, processes=1)
+    prepare([str(file) for file in files[1:]], str(tokenizer), large, processes=1)
+
+    def blend(seed: int) -> TokenDataModule:
+        data = TokenDataModule(data_path=[small, large], weights=[3, 1], seq_len=32, val_fraction=0.1, seed=seed)
+        data.setup()
+        return data
+
+    data = blend(seed=0)
+    mixture, (small_windows, large_windows) = data.train, data.train.datasets
+    assert len(mixture) == len(small_windows) + len(large_windows)
+    assert np.allclose(mixture.counts, [0.75 * len(mixture), 0.25 * len(mixture)], atol=0.5)
+    drawn = Counter(zip(mixture.source.tolist(), mixture.position.tolist(), strict=True))
+    passes = mixture.counts[0] / len(small_windows)
+    small_times = {times for (source, _), times in drawn.items() if source == 0}
+    assert small_times == {int(passes), int(passes) + 1}  # every window, once each pass
+    assert max(times for (source, _), times in drawn.items() if source == 1) == 1
+    assert abs(mixture.source[: len(mixture) // 2].mean() - 0.25) < 0.01  # evenly interleaved, not in runs
+    batch = mixture.__getitems__([0, 1, 2, 3])
+    for index, window in zip([0, 1, 2, 3], batch, strict=True):
+        source = (small_windows, large_windows)[mixture.source[index]]
+        assert torch.equal(window, source[int(mixture.position[index])])
+    assert np.array_equal(blend(seed=0).train.position, mixture.position)
+    assert not np.array_equal(blend(seed=1).train.position, mixture.position)
+    assert data.val.counts == [len(validation) for validation in data.val.datasets]
+
+    other = train_tokenizer(files[2:], tmp_path / "other_tokenizer", vocab_size=300)
+    prepare([str(files[0])], str(other), str(tmp_path / "other"), processes=1)
+    mixed_tokenizers = TokenDataModule(data_path=[small, str(tmp_path / "other")])
+    assert re.search(
+        r"other was prepared with the tokenizer at .* not with .*tokenizer, which prepared .*small",
+        raised(mixed_tokenizers.setup),
+    )
+    assert "do not blend 2 datasets" in raised(TokenDataModule(data_path=[small, large], weights=[1]).setup)
 
 
 def test_each_rank_downloads_its_windows_from_s3_and_gcs_not_the_corpus(
@@ -216,11 +262,12 @@ def first_batches(windows: TokenWindows, rank: int, batches: int = 4) -> torch.T
 EPOCH = 3
 
 
-def on_s3(data_path: str, **strategy: int) -> Case:
+def on_s3(data_path: str | list[str], weights: list[float] | None = None, **strategy: int) -> Case:
     return Case(
         strategy=strategy,
         model="llama_vocab512",
         data_path=data_path,
+        data_weights=weights,
         steps=2 * EPOCH,
         limit_train_batches=EPOCH,
         global_batch_size=4,
@@ -257,16 +304,22 @@ def global_batches(per_rank: list[list[torch.Tensor]]) -> list[list[tuple[int, .
 
 
 def test_a_run_streamed_from_s3_resumes_on_the_next_sample_wherever_it_stopped_on_any_data_parallel_size(
-    corpus: tuple[list[Path], Path], s3_bucket: tuple[str, AbstractFileSystem], tmp_path: Path
+    corpus: tuple[list[Path], Path],
+    s3_bucket: tuple[str, AbstractFileSystem],
+    gcs_bucket: tuple[str, AbstractFileSystem],
+    tmp_path: Path,
 ) -> None:
     """Stopped mid-epoch (step 2) or on an epoch's last batch (step 3), resumed on 2 data-parallel ranks or 1, and
-    from 1 on 2: each resumed run draws exactly the global batches the uninterrupted run drew from there on. One
-    data-parallel rank is 2 tensor-parallel ranks here, which see the same batches: one group of processes for all."""
+    from 1 on 2: each resumed run draws exactly the global batches the uninterrupted run drew from there on; also a
+    blend of a corpus on S3 and one on GCS. One data-parallel rank is 2 tensor-parallel ranks here, which see the
+    same batches: one group of processes for all."""
     files, tokenizer = corpus
-    data = f"{s3_bucket[0]}/tokens"
+    data, other = f"{s3_bucket[0]}/tokens", f"{gcs_bucket[0]}/tokens"
     prepare([str(file) for file in files], str(tokenizer), data, processes=1)
+    prepare([str(file) for file in files[:2]], str(tokenizer), other, processes=1)
     dp2, dp1 = on_s3(data), on_s3(data, tensor_parallel_size=2)
-    saved = {name: str(tmp_path / name) for name in ("dp1_mid", "dp2_mid", "dp2_last")}
+    blend_dp2, blend_dp1 = on_s3([data, other], [1, 1]), on_s3([data, other], [1, 1], tensor_parallel_size=2)
+    saved = {name: str(tmp_path / name) for name in ("dp1_mid", "dp2_mid", "dp2_last", "blend_mid")}
     mid, last = "epoch=0-step=2.ckpt", f"epoch=0-step={EPOCH}.ckpt"
     calls = {
         "uninterrupted": (run, (dp2, 2)),
@@ -278,10 +331,15 @@ def test_a_run_streamed_from_s3_resumes_on_the_next_sample_wherever_it_stopped_o
         "last_resumed": (run, (dp2, 2, f"{saved['dp2_last']}/{last}")),
         "mid_resumed_on_dp1": (run, (dp1, 2, f"{saved['dp2_mid']}/{mid}")),
         "mid_on_dp1_resumed_on_dp2": (run, (dp2, 2, f"{saved['dp1_mid']}/{mid}")),
+        "blend": (run, (blend_dp2, 2)),
+        "blend_stopped_mid": (stopped, (blend_dp2, 2, 2, saved["blend_mid"])),
+        "blend_mid_resumed_on_dp1": (run, (blend_dp1, 2, f"{saved['blend_mid']}/{mid}")),
     }
     per_rank = run_ranks(2, run_each, list(calls.values()))
+    # A pair of tensor-parallel ranks holds one batch: one rank's batches are the global ones.
+    tensor_parallel = [name for name, (_, (case, *_)) in calls.items() if case is dp1 or case is blend_dp1]
     drawn = {
-        name: global_batches(list(runs) if calls[name][1][0] is dp2 else [runs[0]])  # a tp pair: one rank's batches
+        name: global_batches([runs[0]] if name in tensor_parallel else list(runs))
         for name, runs in zip(calls, zip(*per_rank, strict=True), strict=True)
     }
 
@@ -294,3 +352,6 @@ def test_a_run_streamed_from_s3_resumes_on_the_next_sample_wherever_it_stopped_o
     assert drawn["mid_resumed"] == drawn["mid_resumed_on_dp1"] == uninterrupted[2:]
     assert drawn["last_resumed"] == uninterrupted[EPOCH:]  # the next epoch's first batch: none replayed
     assert drawn["mid_on_dp1_resumed_on_dp2"] == uninterrupted[2:]
+    blend = drawn["blend"]
+    assert blend != uninterrupted
+    assert drawn["blend_stopped_mid"] == blend[:2] and drawn["blend_mid_resumed_on_dp1"] == blend[2:]

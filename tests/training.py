@@ -371,7 +371,8 @@ class Case:
     val_check_interval: int | None = None  # also validate every this many batches while training
     # The batches: "windows" of tokens (one tensor); as people's loaders make them (LoaderBatches.FORMS)
     data: str = "windows"
-    data_path: str | None = None  # windows of a prepared corpus (lightdist prepare) there; None: the arithmetic one
+    data_path: str | list[str] | None = None  # windows of prepared corpora (lightdist prepare); None: arithmetic
+    data_weights: list[float] | None = None  # each corpus's share, where data_path lists several
     # Loader batches in a single process: drawn in the order of this many ranks' samplers (None: a parallel run's)
     sampled_as_ranks: int | None = None
 
@@ -556,6 +557,7 @@ def train(
     else:
         data = TokenDataModule(
             data_path=case.data_path,
+            weights=case.data_weights,
             seq_len=case.seq_len,
             batch_size=case.batch_size if case.global_batch_size is None else None,
             global_batch_size=case.global_batch_size,
