@@ -22,10 +22,8 @@ or on rank 0).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
-import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -35,8 +33,9 @@ import psutil
 import torch
 import torch.multiprocessing as mp
 import transformers
+from fsspec.core import url_to_fs
 from lightning.pytorch import Callback, LightningModule, Trainer
-from ranks import free_port, join_ranks
+from ranks import free_port, join_ranks, local_s3
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.utils.data import DataLoader
 
@@ -143,31 +142,6 @@ def _save(directory: Path, hidden: int, layers: int) -> int:
     return size
 
 
-def _s3(directory: Path) -> tuple[subprocess.Popen, str]:
-    """moto's S3 server with the checkpoint uploaded."""
-    import s3fs
-
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)])
-    os.environ.update(
-        AWS_ENDPOINT_URL=endpoint,
-        FSSPEC_S3_ENDPOINT_URL=endpoint,
-        AWS_ACCESS_KEY_ID="bench",
-        AWS_SECRET_ACCESS_KEY="bench",
-        AWS_DEFAULT_REGION="us-east-1",
-    )
-    for _ in range(100):
-        try:
-            s3 = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
-            s3.mkdir("bench")
-            break
-        except Exception:
-            time.sleep(0.1)
-    s3.put(str(directory), "bench/checkpoint", recursive=True)
-    return server, "s3://bench/checkpoint"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=1536)
@@ -179,9 +153,13 @@ def main() -> None:
         directory = Path(scratch) / "checkpoint"
         size = _save(directory, args.hidden, args.layers)
         print(f"model: {size / 2**30:.2f} GiB in fp32, {len(list(directory.glob('*.safetensors')))} shards")
-        server, s3_url = (None, None) if args.no_s3 else _s3(directory)
-        print(f"{'ranks':>5}  {'way':<20} {'from':<6} {'seconds':>8} {'peak GiB/rank':>14} {'read GiB/rank':>14}")
-        try:
+        with contextlib.ExitStack() as stack:
+            s3_url = None
+            if not args.no_s3:
+                s3_url = f"{stack.enter_context(local_s3('bench'))}/checkpoint"
+                s3, path = url_to_fs(s3_url)
+                s3.put(str(directory), path, recursive=True)
+            print(f"{'ranks':>5}  {'way':<20} {'from':<6} {'seconds':>8} {'peak GiB/rank':>14} {'read GiB/rank':>14}")
             for ranks in args.ranks:
                 for way, source, url in [
                     ("lightdist", "local", str(directory)),
@@ -199,9 +177,6 @@ def main() -> None:
                     print(
                         f"{ranks:>5}  {way:<20} {source:<6} {seconds:>8.1f} {peak:>14.2f} {read_text:>14}", flush=True
                     )
-        finally:
-            if server is not None:
-                server.terminate()
 
 
 if __name__ == "__main__":

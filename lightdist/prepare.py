@@ -367,7 +367,6 @@ def prepare(
     bar.close()
     index = _index(sources, markers, record)
     fs.pipe_file(posixpath.join(folder, INDEX), json.dumps(index, indent=1).encode())
-    print(_summary(index, output))
     return index
 
 
@@ -467,7 +466,7 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, help="tokens a shard holds, about")
     args = parser.parse_args(argv)
     try:
-        prepare(
+        index = prepare(
             args.inputs,
             args.tokenizer,
             args.output,
@@ -478,3 +477,4 @@ def main(argv: Sequence[str]) -> None:
         )
     except ValueError as error:
         parser.exit(2, f"lightdist prepare: {error}\n")
+    print(_summary(index, args.output))

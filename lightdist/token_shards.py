@@ -60,7 +60,6 @@ class TokenShards:
     bytes_read: int = 0
 
     def __post_init__(self) -> None:
-        self.fs, _ = url_to_fs(self.url, **self.storage_options)
         self.itemsize = np.dtype(self.dtype).itemsize
         self.starts = np.concatenate([[0], np.cumsum(self.tokens)]).tolist()  # each shard's first token in the stream
 
@@ -111,12 +110,15 @@ class TokenShards:
     def read(self, ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
         """The tokens of each ``[start, stop)`` range of the stream, requested together, at most ``IN_FLIGHT_RANGES``
         at a time; a range across shards is read from each."""
+        # fsspec's own instance, asked for each time: it is made anew in a process forked to load (a DataLoader
+        # worker), where the parent's, its event loop left behind, cannot run.
+        fs, _ = url_to_fs(self.url, **self.storage_options)
         pieces = [(i, piece) for i, (start, stop) in enumerate(ranges) for piece in self._pieces(start, stop)]
         data: list[list[bytes]] = [[] for _ in ranges]
         for first in range(0, len(pieces), IN_FLIGHT_RANGES):
             group = pieces[first : first + IN_FLIGHT_RANGES]
             files, starts, ends = zip(*(piece for _, piece in group), strict=True)
-            read = self.fs.cat_ranges(list(files), list(starts), list(ends))
+            read = fs.cat_ranges(list(files), list(starts), list(ends))
             for (i, (_, start, end)), chunk in zip(group, read, strict=True):
                 if isinstance(chunk, Exception):
                     raise ValueError(

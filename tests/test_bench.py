@@ -96,3 +96,18 @@ def test_pretrained_load_benchmark_starts_each_way_and_counts_what_lightdist_rea
     assert [row[1].split("  ")[0] for row in rows] == ["lightdist", "lightdist", "every rank", "rank 0 + broadcast"]
     lightdist_read = [float(row[1].split()[-1]) for row in rows[:2]]
     assert all(read > 0 for read in lightdist_read)  # local and S3
+
+
+def test_data_benchmark_tokenizes_each_way_and_loads_from_disk_and_s3(tmp_path: Path) -> None:
+    bench = BENCH.parent / "data.py"
+    options = ["--megabytes", "0.5", "--files", "2", "--seq-len", "128", "--batches", "5", "--vocab-size", "512"]
+    run = subprocess.run(
+        [sys.executable, str(bench), *options], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    last_columns = {
+        line[:36].strip(): line.split()[-1].rstrip("x").replace(",", "") for line in run.stdout.splitlines()
+    }
+    rates = {row: float(value) for row, value in last_columns.items() if value.replace(".", "").isdigit()}
+    ways = ["tokenizers alone, its threads", "lightdist prepare, 1 process(es)", "local disk", "S3 (moto)"]
+    assert all(rates[way] > 0 for way in ways), run.stdout
