@@ -41,6 +41,7 @@ from fsspec.core import url_to_fs
 from fsspec.utils import infer_compression
 from tqdm import tqdm
 
+from lightdist.storage import storage_fix
 from lightdist.token_shards import FORMAT, INDEX, Tokenizer, dtype_for
 
 __all__ = ["load_tokenizer", "main", "prepare"]
@@ -108,24 +109,31 @@ def sources_in(inputs: Sequence[str]) -> list[Source]:
     the inputs, each one's files sorted by name, or a saved dataset's in its own order."""
     found: list[Source] = []
     for url in inputs:
-        fs, path = url_to_fs(url)
-        if fs.isdir(path) and fs.exists(posixpath.join(path, "state.json")):  # datasets.save_to_disk
-            state = json.loads(fs.cat_file(posixpath.join(path, "state.json")))
-            paths = [posixpath.join(path, file["filename"]) for file in state["_data_files"]]
-        elif fs.isdir(path):
-            paths = sorted(p for p in fs.find(path) if _kind(p))
-        else:
-            paths = sorted(fs.glob(path)) if any(c in path for c in "*?[") else [path]
-        if not paths:
-            raise ValueError(f"{url} names no text files ({', '.join(TEXT_SUFFIXES)}, optionally compressed).")
-        for file in paths:
-            if not _kind(file):
-                raise ValueError(
-                    f"{fs.unstrip_protocol(file)}: not a file lightdist prepare reads. It reads "
-                    f"{', '.join(TEXT_SUFFIXES)} (JSON as lines or an array), optionally {', '.join(COMPRESSIONS)}."
-                )
-            found.append(Source(fs.unstrip_protocol(file), fs.size(file), _kind(file)))
+        try:
+            found += _sources_at(url)
+        except OSError as error:
+            raise ValueError(f"lightdist prepare cannot read {url}: {storage_fix(error, url, reading=True)}") from error
     return found
+
+
+def _sources_at(url: str) -> list[Source]:
+    fs, path = url_to_fs(url)
+    if fs.isdir(path) and fs.exists(posixpath.join(path, "state.json")):  # datasets.save_to_disk
+        state = json.loads(fs.cat_file(posixpath.join(path, "state.json")))
+        paths = [posixpath.join(path, file["filename"]) for file in state["_data_files"]]
+    elif fs.isdir(path):
+        paths = sorted(p for p in fs.find(path) if _kind(p))
+    else:
+        paths = sorted(fs.glob(path)) if any(c in path for c in "*?[") else [path]
+    if not paths:
+        raise ValueError(f"{url} names no text files ({', '.join(TEXT_SUFFIXES)}, optionally compressed).")
+    for file in paths:
+        if not _kind(file):
+            raise ValueError(
+                f"{fs.unstrip_protocol(file)}: not a file lightdist prepare reads. It reads "
+                f"{', '.join(TEXT_SUFFIXES)} (JSON as lines or an array), optionally {', '.join(COMPRESSIONS)}."
+            )
+    return [Source(fs.unstrip_protocol(file), fs.size(file), _kind(file)) for file in paths]
 
 
 def _kind(path: str) -> str | None:

@@ -29,6 +29,7 @@ from tokenizers import Tokenizer
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from lightdist.cli import main
 from lightdist.models.data import TokenDataModule, TokenWindows
 from lightdist.models.python_docs import train_tokenizer, write_corpus
 from lightdist.prepare import prepare
@@ -101,6 +102,20 @@ def test_every_format_becomes_one_stream_of_documents_each_ended_by_eos(
     assert [Path(url).name for url in index["empty_files"]] == ["e.jsonl"]
     assert len(index["shards"]) > len(index["sources"])  # each source's shards roll over at about 4096 tokens
     assert prepare([str(inputs), str(saved)], str(tokenizer), output) == index  # done already: nothing redone
+
+
+def test_the_command_prints_what_it_prepared_and_names_a_bad_input(
+    corpus: tuple[list[Path], Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    files, tokenizer = corpus
+    output = tmp_path / "tokens"
+    main(["prepare", str(files[0]), "--tokenizer", str(tokenizer), "--output", str(output), "--processes", "1"])
+    documents = len(texts_of(files[0]))
+    assert f"lightdist prepare: {documents:,} documents, " in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit:
+        main(["prepare", str(tmp_path / "none.jsonl"), "--tokenizer", str(tokenizer), "--output", str(output)])
+    assert exit.value.code == 2
+    assert "cannot read" in (err := capsys.readouterr().err) and "none.jsonl" in err and "Correct the URL" in err
 
 
 def test_an_interrupted_prepare_keeps_the_files_it_finished(corpus: tuple[list[Path], Path], tmp_path: Path) -> None:
