@@ -300,7 +300,7 @@ def tokenize_source(
             chars = 0
     if batch:
         flush(source.size)
-    report(source.size - reported, 0, 0)
+    report(max(source.size - reported, 0), 0, 0)
     writer.close()
     marker = {
         "source": asdict(source),

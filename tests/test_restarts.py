@@ -26,7 +26,7 @@ from fsspec import AbstractFileSystem
 
 from faulty_storage import FaultyStorage
 from multirank import free_port
-from training import listing
+from training import listing, prepared_arithmetic
 
 pytestmark = pytest.mark.multirank
 
@@ -38,8 +38,11 @@ SEED = int(os.environ.get("LIGHTDIST_CHAOS_SEED", random.SystemRandom().randrang
 NAN_AT, OUTAGE = 4, (3, 5)
 
 
-def torchrun(run: Path, *job_args: str, nnodes: str = "1", endpoint: str | None = None, **env: str) -> subprocess.Popen:
-    """One node's torchrun agent, running the job with 2 ranks and one restart allowed."""
+def torchrun(
+    run: Path, *job_args: str, data: str, nnodes: str = "1", endpoint: str | None = None, **env: str
+) -> subprocess.Popen:
+    """One node's torchrun agent, running the job with 2 ranks and one restart allowed, on the prepared corpus
+    ``data``."""
     run.mkdir(exist_ok=True)
     command = [
         sys.executable,
@@ -55,6 +58,7 @@ def torchrun(run: Path, *job_args: str, nnodes: str = "1", endpoint: str | None 
         str(JOB),
         str(run),
         *job_args,
+        f"--data-path={data}",
     ]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ | env)
 
@@ -69,10 +73,16 @@ def records(run: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The jobs' data: the arithmetic corpus as text, prepared by ``lightdist prepare`` and streamed by range."""
+    return prepared_arithmetic(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, corpus: str) -> Path:
     """The job without faults, on 2 ranks; its NaN step skipped like the others'."""
     run = tmp_path_factory.mktemp("uninterrupted")
-    returncode, stderr = finished(torchrun(run, str(run / "checkpoints"), "--nan-at", str(NAN_AT)))
+    returncode, stderr = finished(torchrun(run, str(run / "checkpoints"), "--nan-at", str(NAN_AT), data=corpus))
     assert returncode == 0, stderr[-3000:]
     return run
 
@@ -103,6 +113,7 @@ def newest_complete_at_each_start(run: Path) -> list[int]:
 def test_a_job_survives_a_killed_rank_a_storage_outage_and_a_nan_loss(
     tmp_path: Path,
     uninterrupted: Path,
+    corpus: str,
     s3_endpoint: str,
     s3_bucket: tuple[str, AbstractFileSystem],
     monkeypatch: pytest.MonkeyPatch,
@@ -115,7 +126,7 @@ def test_a_job_survives_a_killed_rank_a_storage_outage_and_a_nan_loss(
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy)
         monkeypatch.setenv("FSSPEC_S3_ENDPOINT_URL", proxy)
         faults = ["--kill-at", str(kill_at), "--storage-down", str(storage_down), "--down-steps", *map(str, OUTAGE)]
-        returncode, stderr = finished(torchrun(tmp_path, f"{url}/run", "--nan-at", str(NAN_AT), *faults))
+        returncode, stderr = finished(torchrun(tmp_path, f"{url}/run", "--nan-at", str(NAN_AT), *faults, data=corpus))
     assert returncode == 0, f"{chaos}\n{stderr[-3000:]}"
     assert "Connection refused" not in stderr, chaos
 
@@ -134,7 +145,12 @@ def test_a_job_survives_a_killed_rank_a_storage_outage_and_a_nan_loss(
 
 @pytest.mark.parametrize("storage", ["local", "s3", "gcs"])
 def test_lightnings_own_checkpoint_callback_resumes_a_killed_job_from_the_newest_complete_checkpoint(
-    storage: str, tmp_path: Path, uninterrupted: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+    storage: str,
+    tmp_path: Path,
+    uninterrupted: Path,
+    corpus: str,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The job as users write it: ``lightning.pytorch.callbacks.ModelCheckpoint(dirpath=URL, every_n_train_steps=2,
     save_last=True)``, ``fit(ckpt_path="last")``, the last rank SIGKILLed after step 5 under ``torchrun
@@ -155,10 +171,10 @@ def test_lightnings_own_checkpoint_callback_resumes_a_killed_job_from_the_newest
         with stalling as proxy:
             monkeypatch.setenv("AWS_ENDPOINT_URL", proxy)
             monkeypatch.setenv("FSSPEC_S3_ENDPOINT_URL", proxy)
-            returncode, stderr = finished(torchrun(*job))
+            returncode, stderr = finished(torchrun(*job, data=corpus))
         assert stalling.injected["hold"] >= 1
     else:
-        returncode, stderr = finished(torchrun(*job))
+        returncode, stderr = finished(torchrun(*job, data=corpus))
     assert returncode == 0, stderr[-3000:]
 
     first, second = attempts(tmp_path)
@@ -179,7 +195,7 @@ def test_lightnings_own_checkpoint_callback_resumes_a_killed_job_from_the_newest
 
 
 def test_an_elastic_job_grows_onto_a_node_that_joins_and_carries_on_when_it_is_lost(
-    tmp_path: Path, uninterrupted: Path, s3_bucket: tuple[str, AbstractFileSystem]
+    tmp_path: Path, uninterrupted: Path, corpus: str, s3_bucket: tuple[str, AbstractFileSystem]
 ) -> None:
     """torchrun agents on ``--nnodes=1:2``, 2 ranks each (tensor-parallel pairs), one global batch of 4 windows. The
     job starts on one node (1 data-parallel rank), which waits after step 2 for a second node; when it joins, the
@@ -190,9 +206,9 @@ def test_an_elastic_job_grows_onto_a_node_that_joins_and_carries_on_when_it_is_l
     job = (tmp_path, f"{url}/run", "--nan-at", str(NAN_AT), "--nodes=2", "--wait-for-nodes-after=2")
     # torch 2.13's agents cannot share their store with a node that joins a running job (the README says why).
     elastic = {"nnodes": "1:2", "endpoint": f"127.0.0.1:{free_port()}", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    first_node = torchrun(*job, **elastic)
+    first_node = torchrun(*job, data=corpus, **elastic)
     wait_for(lambda: any(record["step"] == 2 for record in records(tmp_path)), first_node)
-    second_node = torchrun(*job, **elastic, LOSE_THIS_NODE_AFTER_STEP="5")
+    second_node = torchrun(*job, data=corpus, **elastic, LOSE_THIS_NODE_AFTER_STEP="5")
     returncode, stderr = finished(first_node)
     assert returncode == 0, stderr[-3000:]
     assert finished(second_node)[0] == -signal.SIGKILL

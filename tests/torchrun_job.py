@@ -16,8 +16,9 @@ by Lightning's own, as users configure it, every ``--every`` steps. The faults, 
 - ``LOSE_THIS_NODE_AFTER_STEP=N`` in one agent's environment: after optimizer step N, the ranks of that agent SIGKILL
   it and themselves, as a lost machine would end them.
 
-The ranks share a global batch of ``--global-batch`` windows, split among the data-parallel ranks of each attempt: a
-job restarted on fewer nodes trains on the same batches.
+The ranks share a global batch of ``--global-batch`` windows of the corpus ``lightdist prepare`` made at
+``--data-path``, streamed by range and split among the data-parallel ranks of each attempt: a job restarted on fewer
+nodes trains on the same batches.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def main(options: argparse.Namespace) -> None:
         enable_model_summary=False,
     )
     model = LlamaWithOneBadBatch(options.nan_at)
-    data = TokenDataModule(seq_len=32, global_batch_size=options.global_batch, synthetic_tokens=1 << 16)
+    data = TokenDataModule(data_path=options.data_path, seq_len=32, global_batch_size=options.global_batch)
     trainer.fit(model, datamodule=data, ckpt_path="last")
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.is_global_zero:
@@ -149,4 +150,5 @@ if __name__ == "__main__":
     parser.add_argument("--down-steps", type=int, nargs=2)
     parser.add_argument("--lightning-checkpoint", action="store_true")
     parser.add_argument("--every", type=int, default=2)
+    parser.add_argument("--data-path", required=True)
     main(parser.parse_args())

@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,15 +27,19 @@ from lightning.pytorch import Callback, LightningDataModule, Trainer, seed_every
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.loggers import Logger
+from tokenizers import Tokenizer
+from tokenizers import models as tokenizer_models
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from lightdist.async_checkpoint import WRITER_THREADS
 from lightdist.models import GPT2, HuggingFaceCausalLM, Llama, MoELlama, TokenDataModule
+from lightdist.models.data import ARITHMETIC_ALPHABET, arithmetic_corpus
 from lightdist.models.lm import CausalLM
 from lightdist.pipeline.microbatches import examples_in
 from lightdist.plugins import ModelCheckpoint, ParallelStrategy, TrainingMonitor
+from lightdist.prepare import prepare
 
 import zoo
 
@@ -596,6 +601,20 @@ def train(
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     result.params = {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
     return result
+
+
+def prepared_arithmetic(folder: Path, tokens: int = 1 << 16) -> str:
+    """The arithmetic corpus as text (a sum a document), prepared by ``lightdist prepare`` with a tokenizer of its
+    characters, whose ids are the tiny models' (the end-of-sequence id in place of the newline's); its URL."""
+    text = "".join(ARITHMETIC_ALPHABET[i] for i in arithmetic_corpus(tokens))
+    lines = folder / "sums.jsonl"
+    lines.write_text("".join(json.dumps({"text": line}) + "\n" for line in text.splitlines() if line))
+    vocabulary = {character: i for i, character in enumerate(ARITHMETIC_ALPHABET)}
+    tokenizer = Tokenizer(tokenizer_models.BPE(vocab=vocabulary | {"<|endoftext|>": len(vocabulary)}, merges=[]))
+    tokenizer.add_special_tokens(["<|endoftext|>"])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    prepare([str(lines)], str(folder / "tokenizer.json"), str(folder / "tokens"), processes=1)
+    return str(folder / "tokens")
 
 
 def merge_stages(results_per_rank: list[list[Result]]) -> list[Result]:
