@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 from collections import Counter
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -313,6 +314,20 @@ def stopped(case: Case, devices: int, steps: int, run: str) -> list[torch.Tensor
     return record.batches
 
 
+class StopAtValidationEnd(Callback):
+    def on_validation_end(self, trainer, pl_module) -> None:
+        trainer.should_stop = True
+
+
+def stopped_in_validation(case: Case, devices: int, run: str) -> list[torch.Tensor]:
+    """This rank's batches of ``case`` stopped as its first validation ends, saved there by Lightning's own
+    ModelCheckpoint watching the validation loss."""
+    record = RecordBatches()
+    saving = LightningModelCheckpoint(dirpath=run, monitor="val_loss", save_top_k=-1)
+    train(case, devices, callbacks=[record, saving, StopAtValidationEnd()])
+    return record.batches
+
+
 def global_batches(per_rank: list[list[torch.Tensor]]) -> list[list[tuple[int, ...]]]:
     """Each step's windows over all ranks, as sorted token tuples: a global batch is a set of samples."""
     return [sorted(tuple(w.tolist()) for batch in step for w in batch) for step in zip(*per_rank, strict=True)]
@@ -324,17 +339,18 @@ def test_a_run_streamed_from_s3_resumes_on_the_next_sample_wherever_it_stopped_o
     gcs_bucket: tuple[str, AbstractFileSystem],
     tmp_path: Path,
 ) -> None:
-    """Stopped mid-epoch (step 2) or on an epoch's last batch (step 3), resumed on 2 data-parallel ranks or 1, and
-    from 1 on 2: each resumed run draws exactly the global batches the uninterrupted run drew from there on; also a
-    blend of a corpus on S3 and one on GCS. One data-parallel rank is 2 tensor-parallel ranks here, which see the
-    same batches: one group of processes for all."""
+    """Stopped mid-epoch (step 2), on an epoch's last batch (step 3) or as a validation in mid-epoch ends, resumed
+    on 2 data-parallel ranks or 1, and from 1 on 2: each resumed run draws exactly the global batches the
+    uninterrupted run drew from there on; also a blend of a corpus on S3 and one on GCS. One data-parallel rank is
+    2 tensor-parallel ranks here, which see the same batches: one group of processes for all."""
     files, tokenizer = corpus
     data, other = f"{s3_bucket[0]}/tokens", f"{gcs_bucket[0]}/tokens"
     prepare([str(file) for file in files], str(tokenizer), data, processes=1)
     prepare([str(file) for file in files[:2]], str(tokenizer), other, processes=1)
     dp2, dp1 = on_s3(data), on_s3(data, tensor_parallel_size=2)
     blend_dp2, blend_dp1 = on_s3([data, other], [1, 1]), on_s3([data, other], [1, 1], tensor_parallel_size=2)
-    saved = {name: str(tmp_path / name) for name in ("dp1_mid", "dp2_mid", "dp2_last", "blend_mid")}
+    validating = replace(dp2, validate=True, val_check_interval=2)  # after steps 2 and 5, and after training
+    saved = {name: str(tmp_path / name) for name in ("dp1_mid", "dp2_mid", "dp2_last", "blend_mid", "validation")}
     mid, last = "epoch=0-step=2.ckpt", f"epoch=0-step={EPOCH}.ckpt"
     calls = {
         "uninterrupted": (run, (dp2, 2)),
@@ -349,6 +365,9 @@ def test_a_run_streamed_from_s3_resumes_on_the_next_sample_wherever_it_stopped_o
         "blend": (run, (blend_dp2, 2)),
         "blend_stopped_mid": (stopped, (blend_dp2, 2, 2, saved["blend_mid"])),
         "blend_mid_resumed_on_dp1": (run, (blend_dp1, 2, f"{saved['blend_mid']}/{mid}")),
+        "validating": (run, (validating, 2)),
+        "stopped_in_validation": (stopped_in_validation, (validating, 2, saved["validation"])),
+        "validation_resumed": (run, (validating, 2, f"{saved['validation']}/{mid}")),
     }
     per_rank = run_ranks(2, run_each, list(calls.values()))
     # A pair of tensor-parallel ranks holds one batch: one rank's batches are the global ones.
@@ -370,3 +389,5 @@ def test_a_run_streamed_from_s3_resumes_on_the_next_sample_wherever_it_stopped_o
     blend = drawn["blend"]
     assert blend != uninterrupted
     assert drawn["blend_stopped_mid"] == blend[:2] and drawn["blend_mid_resumed_on_dp1"] == blend[2:]
+    validating = drawn["validating"]  # fewer windows to train on, a part held out: another order
+    assert drawn["stopped_in_validation"] == validating[:2] and drawn["validation_resumed"] == validating[2:]
