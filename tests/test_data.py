@@ -243,16 +243,24 @@ def test_each_rank_downloads_its_windows_from_s3_and_gcs_not_the_corpus(
     gcs_bucket: tuple[str, AbstractFileSystem],
     tmp_path: Path,
 ) -> None:
-    """Two data-parallel ranks' loaders, 4 shuffled batches each, through a proxy that counts the bytes the storage
+    """The corpus prepared from the bucket into it (text, tokenizer and tokens on S3; into GCS from local disk).
+    Two data-parallel ranks' loaders, 4 shuffled batches each, through a proxy that counts the bytes the storage
     sends: the same windows as from local disk, and those windows' bytes exactly, of a corpus a hundred times more."""
     files, tokenizer = corpus
-    inputs = [str(file) for file in files] * 3  # the corpus three times over: about 100k tokens
+    (s3, s3fs), (gcs, _) = s3_bucket, gcs_bucket
+    (tmp_path / "text").mkdir()
+    copies = sorted(  # the corpus three times over, about 100k tokens, in the order a glob lists it
+        shutil.copy(file, tmp_path / "text" / f"{copy}-{file.name}") for copy in range(3) for file in files
+    )
     local = str(tmp_path / "tokens")
-    prepare(inputs, str(tokenizer), local, processes=1)
-    endpoints = {s3_bucket[0]: s3_endpoint, gcs_bucket[0]: os.environ["STORAGE_EMULATOR_HOST"]}
-    for bucket, endpoint in endpoints.items():
+    prepare(copies, str(tokenizer), local, processes=1)
+    s3fs.put(copies, f"{s3}/text/")
+    s3fs.put(str(tokenizer / "tokenizer.json"), f"{s3}/tokenizer/tokenizer.json")
+    prepare([f"{s3}/text/*.jsonl"], f"{s3}/tokenizer", f"{s3}/tokens", processes=1)
+    prepare(copies, str(tokenizer), f"{gcs}/tokens", processes=1)
+    assert stream(f"{s3}/tokens") == stream(f"{gcs}/tokens") == stream(local)
+    for bucket, endpoint in {s3: s3_endpoint, gcs: os.environ["STORAGE_EMULATOR_HOST"]}.items():
         remote = f"{bucket}/tokens"
-        prepare(inputs, str(tokenizer), remote, processes=1)
         counting = FaultyStorage(endpoint, faults=lambda *_: None)
         with counting as proxy:
             tokens = TokenShards.open(remote, endpoint_url=proxy, skip_instance_cache=True)
