@@ -7,7 +7,6 @@ Under lightdist the sampler shards windows by data-parallel rank only.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Literal
 
 import numpy as np
@@ -68,15 +67,6 @@ class TokenWindows(Dataset):
         else:
             windows = self.tokens.read(ranges)
         return [torch.from_numpy(window.astype(np.int64)) for window in windows]
-
-
-class _OrderDrawnOnFirstSample(DistributedSampler):
-    """torch's DistributedSampler, drawing the epoch's order when the first sample is asked for rather than when the
-    iterator is made. Lightning (2.6) makes the iterator of a run resumed at an epoch's end before it sets the next
-    epoch on the sampler: torch's own would deal the finished epoch's order again."""
-
-    def __iter__(self) -> Iterator[int]:
-        yield from super().__iter__()
 
 
 class TokenDataModule(LightningDataModule):
@@ -221,7 +211,7 @@ class TokenDataModule(LightningDataModule):
             )
         # Our own sampler, because Lightning's injected one always shuffles training data, and pre-shuffled token
         # files must keep their order. The strategy says how to shard: by data-parallel rank only.
-        sampler = _OrderDrawnOnFirstSample(dataset, shuffle=shuffle, seed=self.seed, drop_last=True, **sharding)
+        sampler = DistributedSampler(dataset, shuffle=shuffle, seed=self.seed, drop_last=True, **sharding)
         return StatefulDataLoader(
             dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True, num_workers=self.num_workers
         )

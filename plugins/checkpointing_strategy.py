@@ -22,7 +22,7 @@ from lightdist.parallelize import ParallelConfig, Parallelized
 from lightdist.plugins.auto_layout import LayoutRequest
 from lightdist.plugins.checkpoint_io import ShardedCheckpointIO
 from lightdist.plugins.mesh_strategy import MeshStrategy
-from lightdist.plugins.rank_state import deal_samples_in_turn, gather_rank_states, take_rank_state
+from lightdist.plugins.rank_state import deal_samples_in_turn, gather_rank_states, set_epoch_to_train, take_rank_state
 from lightdist.rng import set_rng_state
 from lightdist.tensor_parallel import reorder_optimizer_state
 
@@ -108,6 +108,11 @@ class CheckpointingStrategy(MeshStrategy):
             checkpoint, rank=self.global_rank, layout=self.layout, data_parallel=self._data_parallel
         )
         return checkpoint
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        set_epoch_to_train(dataloader, self.lightning_module.trainer)
+        return dataloader
 
     @override
     def on_train_start(self) -> None:

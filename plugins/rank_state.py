@@ -13,7 +13,7 @@ after as many, and the epoch goes on where it stood.
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,10 @@ from torch.utils.data import DistributedSampler
 from lightdist.layout import ParallelLayout
 from lightdist.rng import rng_state
 
-__all__ = ["deal_samples_in_turn", "gather_rank_states", "take_rank_state"]
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["deal_samples_in_turn", "gather_rank_states", "set_epoch_to_train", "take_rank_state"]
 
 _KEY = "lightdist_ranks"
 _LAYOUT = "lightdist_layout"
@@ -35,6 +38,22 @@ def deal_samples_in_turn(train_dataloader: Any) -> bool:
     ranks in turn, so that one rank's position says how far the whole epoch has gone."""
     loaders = getattr(train_dataloader, "flattened", [train_dataloader]) if train_dataloader is not None else []
     return bool(loaders) and all(isinstance(getattr(loader, "sampler", None), DistributedSampler) for loader in loaders)
+
+
+def set_epoch_to_train(dataloader: Any, trainer: pl.Trainer) -> None:
+    """Give ``dataloader``'s sampler the epoch the fit loop is about to train, before Lightning makes its iterator.
+
+    Lightning (2.6) makes the training loader's iterator before it sets the epoch on the sampler, and torch's
+    ``DistributedSampler`` draws its order as the iterator is made: a run resumed in epoch 1 or later would deal
+    epoch 0's order, from its first batch after an epoch's end, or fast-forwarded to the saved position in mid-epoch.
+    An epoch whose batches are all drawn (``is_last_batch``) but not yet counted done is over: the next one is
+    trained."""
+    epochs = trainer.fit_loop.epoch_progress.current
+    ended = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch and epochs.ready > epochs.processed
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    for sampler in (getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None)):
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epochs.processed + int(ended))
 
 
 def gather_rank_states(

@@ -304,7 +304,8 @@ class RecordBatches(Callback):
         self.batches: list[torch.Tensor] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.batches.append(batch.clone())
+        inputs = batch[0] if isinstance(batch, list | tuple) else batch  # a TensorDataset's (x, y): the x
+        self.batches.append(inputs.clone())
 
 
 def run(case: Case, devices: int, resume_from: str | None = None) -> list[torch.Tensor]:
@@ -347,10 +348,12 @@ def test_a_run_streamed_from_s3_resumes_on_the_next_sample_wherever_it_stopped_o
     gcs_bucket: tuple[str, AbstractFileSystem],
     tmp_path: Path,
 ) -> None:
-    """Stopped mid-epoch (step 2), on an epoch's last batch (step 3) or as a validation in mid-epoch ends, resumed
-    on 2 data-parallel ranks or 1, and from 1 on 2: each resumed run draws exactly the global batches the
-    uninterrupted run drew from there on; also a blend of a corpus on S3 and one on GCS. One data-parallel rank is
-    2 tensor-parallel ranks here, which see the same batches: one group of processes for all."""
+    """Stopped mid-epoch (step 2, or step 5 in the second epoch), on an epoch's last batch (step 3) or as a
+    validation in mid-epoch ends, resumed on 2 data-parallel ranks or 1, and from 1 on 2: each resumed run draws
+    exactly the global batches the uninterrupted run drew from there on; also a blend of a corpus on S3 and one on
+    GCS, and a plain DataLoader of one's own, to which Lightning adds its sampler, resumed at an epoch's end. One
+    data-parallel rank is 2 tensor-parallel ranks here, which see the same batches: one group of processes for
+    all."""
     files, tokenizer = corpus
     data, other = f"{s3_bucket[0]}/tokens", f"{gcs_bucket[0]}/tokens"
     prepare([str(file) for file in files], str(tokenizer), data, processes=1)
@@ -358,7 +361,11 @@ def test_a_run_streamed_from_s3_resumes_on_the_next_sample_wherever_it_stopped_o
     dp2, dp1 = on_s3(data), on_s3(data, tensor_parallel_size=2)
     blend_dp2, blend_dp1 = on_s3([data, other], [1, 1]), on_s3([data, other], [1, 1], tensor_parallel_size=2)
     validating = replace(dp2, validate=True, val_check_interval=2)  # after steps 2 and 5, and after training
-    saved = {name: str(tmp_path / name) for name in ("dp1_mid", "dp2_mid", "dp2_last", "blend_mid", "validation")}
+    own_loader = replace(
+        dp2, data="pairs", data_path=None, model="zoo_nanogpt_pairs", batch_size=2, global_batch_size=None
+    )
+    runs = ("dp1_mid", "dp2_mid", "dp2_last", "dp2_second_epoch", "blend_mid", "validation", "own_loader_last")
+    saved = {name: str(tmp_path / name) for name in runs}
     mid, last = "epoch=0-step=2.ckpt", f"epoch=0-step={EPOCH}.ckpt"
     calls = {
         "uninterrupted": (run, (dp2, 2)),
@@ -370,6 +377,11 @@ def test_a_run_streamed_from_s3_resumes_on_the_next_sample_wherever_it_stopped_o
         "last_resumed": (run, (dp2, 2, f"{saved['dp2_last']}/{last}")),
         "mid_resumed_on_dp1": (run, (dp1, 2, f"{saved['dp2_mid']}/{mid}")),
         "mid_on_dp1_resumed_on_dp2": (run, (dp2, 2, f"{saved['dp1_mid']}/{mid}")),
+        "stopped_in_second_epoch": (stopped, (dp2, 2, 5, saved["dp2_second_epoch"])),
+        "second_epoch_resumed_on_dp1": (run, (dp1, 2, f"{saved['dp2_second_epoch']}/epoch=1-step=5.ckpt")),
+        "own_loader": (run, (own_loader, 2)),
+        "own_loader_stopped_last": (stopped, (own_loader, 2, EPOCH, saved["own_loader_last"])),
+        "own_loader_last_resumed": (run, (own_loader, 2, f"{saved['own_loader_last']}/{last}")),
         "blend": (run, (blend_dp2, 2)),
         "blend_stopped_mid": (stopped, (blend_dp2, 2, 2, saved["blend_mid"])),
         "blend_mid_resumed_on_dp1": (run, (blend_dp1, 2, f"{saved['blend_mid']}/{mid}")),
@@ -394,6 +406,13 @@ def test_a_run_streamed_from_s3_resumes_on_the_next_sample_wherever_it_stopped_o
     assert drawn["mid_resumed"] == drawn["mid_resumed_on_dp1"] == uninterrupted[2:]
     assert drawn["last_resumed"] == uninterrupted[EPOCH:]  # the next epoch's first batch: none replayed
     assert drawn["mid_on_dp1_resumed_on_dp2"] == uninterrupted[2:]
+    assert drawn["stopped_in_second_epoch"] == uninterrupted[:5] and drawn["second_epoch_resumed_on_dp1"] == [
+        uninterrupted[5]
+    ]
+    own_loader = drawn["own_loader"]
+    assert own_loader[:EPOCH] != own_loader[EPOCH:]  # Lightning's sampler shuffles each epoch anew
+    assert drawn["own_loader_stopped_last"] == own_loader[:EPOCH]
+    assert drawn["own_loader_last_resumed"] == own_loader[EPOCH:]
     blend = drawn["blend"]
     assert blend != uninterrupted
     assert drawn["blend_stopped_mid"] == blend[:2] and drawn["blend_mid_resumed_on_dp1"] == blend[2:]
