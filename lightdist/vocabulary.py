@@ -19,10 +19,13 @@ def token_embedding_rows(model: nn.Module) -> int | None:
     stage)."""
     for module in model.modules():
         named = getattr(module, "get_input_embeddings", None)
-        if callable(named) and isinstance(embedding := named(), nn.Embedding):
-            return embedding.weight.shape[0]  # DTensor shapes are global: the whole vocabulary under any sharding
-    rows = [module.weight.shape[0] for module in model.modules() if isinstance(module, nn.Embedding)]
-    return max(rows, default=None)
+        try:  # Hugging Face's raises where the model holds none: a later pipeline stage's
+            embedding = named() if callable(named) else None
+        except (NotImplementedError, AttributeError):
+            embedding = None
+        if isinstance(embedding, nn.Embedding):
+            return embedding.num_embeddings  # the whole vocabulary, however its weight is split or held
+    return max((module.num_embeddings for module in model.modules() if isinstance(module, nn.Embedding)), default=None)
 
 
 def check_vocabulary(model: nn.Module, vocabulary_size: int | None, data: str) -> None:

@@ -105,6 +105,7 @@ def gcs_bucket() -> Iterator[tuple[str, AbstractFileSystem]]:
         ),
     ):
         # gcsfs.GCSFileSystem was chosen when gcsfs was imported, before the variable was set: the JSON API's own.
+        GCSFileSystem.clear_instance_cache()  # fsspec would hand out a filesystem of an earlier test's emulator
         gcs = GCSFileSystem(token="anon", skip_instance_cache=True)
         name = f"lightdist-{uuid.uuid4().hex[:12]}"
         gcs.mkdir(name)
