@@ -294,6 +294,7 @@ def train_logging_to_wandb(save_dir: str) -> None:
     )
     data = TokenDataModule(seq_len=32, batch_size=4, val_fraction=0.0, synthetic_tokens=16_384)
     trainer.fit(MoELlama("tiny"), datamodule=data)
+    trainer.logger.experiment.finish()  # the offline run's files complete, as the script's exit would leave them
 
 
 def test_wandb_shows_the_tokens_each_expert_got_and_the_imbalance(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
