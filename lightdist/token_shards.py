@@ -57,7 +57,6 @@ class TokenShards:
     dtype: str
     tokenizer: Tokenizer | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
-    bytes_read: int = 0
 
     def __post_init__(self) -> None:
         self.itemsize = np.dtype(self.dtype).itemsize
@@ -129,7 +128,6 @@ class TokenShards:
                         f"{self.url}: a shard ended {end - start - len(chunk)} bytes early: it was cut short after "
                         "the dataset was prepared. Prepare it again into a new output."
                     )
-                self.bytes_read += len(chunk)
                 data[i].append(chunk)
         return [np.frombuffer(b"".join(chunks), dtype=self.dtype) for chunks in data]
 
