@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["IGNORE_INDEX", "is_causal_lm", "labelled_tokens", "shares"]
@@ -35,7 +36,8 @@ def labelled_tokens(model: nn.Module, kwargs: dict[str, Any]) -> Tensor | None:
     labels = kwargs.get("labels")
     if not isinstance(labels, Tensor) or not is_causal_lm(model) or "num_items_in_batch" in kwargs:
         return None
-    return (labels[..., 1:] != IGNORE_INDEX).sum()
+    # Padded then shifted, as the loss shifts them: a sequence split by context parallelism keeps its length.
+    return (F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:] != IGNORE_INDEX).sum()
 
 
 def shares(tokens: list[Tensor | int | None], device: torch.device) -> Tensor:

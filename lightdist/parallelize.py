@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from lightdist.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
+from lightdist.context_parallel import ContextParallelMethod
 from lightdist.expert_parallel import (
     ExpertModules,
     apply_expert_parallel,
@@ -85,6 +86,10 @@ class ParallelConfig:
         expert_parallel_size: Data-parallel ranks that split each MoE layer's experts between them (``ep``, which
             divides ``data_parallel_size`` and the number of experts); tokens travel to their experts and back by
             all-to-all (``lightdist.expert_parallel``). 1: every rank holds every expert.
+        context_parallel_method: How attention spans a sequence split over ``context_parallel_size`` ranks
+            (``lightdist.context_parallel``): ``"ring"`` passes key/value blocks around the ranks (any head count),
+            ``"all_to_all"`` deals the heads out and gathers the sequence (DeepSpeed's Ulysses), ``"auto"`` the
+            latter where the heads divide among the ranks.
     """
 
     zero_stage: ZeroStage = 3
@@ -101,6 +106,7 @@ class ParallelConfig:
     compile: bool = False
     param_dtype: torch.dtype | None = None
     expert_parallel_size: int = 1
+    context_parallel_method: ContextParallelMethod = "auto"
 
     def __post_init__(self) -> None:
         """Refuse what cannot run, when the options are given: before any process or tensor exists."""
@@ -127,6 +133,11 @@ class ParallelConfig:
                 f"zero_stage=1 with expert_parallel_size={self.expert_parallel_size}: ZeRO-1 deals whole parameters "
                 "out over all data-parallel ranks, but each expert-parallel rank holds other experts. Use "
                 "zero_stage=0, 2 or 3 with expert parallelism."
+            )
+        if self.context_parallel_method not in ContextParallelMethod.__args__:
+            raise ValueError(
+                f"context_parallel_method={self.context_parallel_method!r} is not one of 'auto', 'ring' (key/value "
+                "blocks passed around the ranks) or 'all_to_all' (heads dealt out, the sequence gathered)."
             )
         if self.cpu_offload and self.zero_stage < 2:
             raise ValueError(
@@ -165,6 +176,8 @@ class ParallelConfig:
             "data_parallel_size": layout.dp,
             "tensor_parallel_size": tp,
             "expert_parallel_size": self.expert_parallel_size,
+            "context_parallel_size": layout.cp,
+            "context_parallel_method": self.context_parallel_method if layout.cp > 1 else None,
             "zero_stage": self.zero_stage_run(pp),
             "pipeline_schedule": self.pipeline_schedule if pp > 1 else None,
             "virtual_stages": self.stages_per_pipeline_rank if pp > 1 else None,

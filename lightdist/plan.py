@@ -170,6 +170,7 @@ def layout_records(shape: ModelShape, training: Training, cluster: Cluster, ep: 
             "pp": plan.layout.pp,
             "dp": plan.layout.dp,
             "tp": plan.layout.tp,
+            "cp": plan.layout.cp,
             "ep": plan.layout.ep,
             "zero_stage": plan.layout.zero_stage,
             "activation_checkpointing": plan.layout.activation_checkpointing or "",

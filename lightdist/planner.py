@@ -11,7 +11,9 @@ sharding, read from a model built on the meta device. The rest is a model for ra
   as the pipeline keeps in flight; and the logits with their fp32 log-softmax.
 - step time: the model's FLOPs at a share (``efficiency``) of the devices' peak, stretched by recomputation and by
   the pipeline's bubble, plus ring all-reduce and all-gather time of tensor- and data-parallel traffic at the links'
-  bandwidth, with no overlap assumed.
+  bandwidth, and under context parallelism the ring attention's key/value blocks, with no overlap assumed.
+- context parallelism (``cp``) divides every activation and the logits by ``cp``; its ranks shard ZeRO state with the
+  data-parallel ones. A layout takes it only where the same split without it does not fit.
 """
 
 from __future__ import annotations
@@ -65,16 +67,27 @@ class Layout:
     microbatches: int = 1  # per optimizer step and data-parallel rank
     loss_parallel: bool = False  # under tp, the logits stay split by vocabulary
     ep: int = 1  # data-parallel ranks that split each MoE layer's experts
+    cp: int = 1  # ranks that split each sequence, beside each data-parallel rank
 
     def __str__(self) -> str:
+        context = f" x cp={self.cp}" if self.cp > 1 else ""
         experts = f", ep={self.ep}" if self.ep > 1 else ""
         checkpointing = f", {self.activation_checkpointing} ckpt" if self.activation_checkpointing else ""
         pipeline = f", {self.microbatches} microbatches" if self.pp > 1 else ""
-        return f"pp={self.pp} x dp={self.dp} x tp={self.tp}{experts}, ZeRO-{self.zero_stage}{checkpointing}{pipeline}"
+        return (
+            f"pp={self.pp} x dp={self.dp}{context} x tp={self.tp}{experts}, ZeRO-{self.zero_stage}{checkpointing}"
+            f"{pipeline}"
+        )
+
+    @property
+    def reducing(self) -> int:
+        """Ranks that reduce gradients together and shard ZeRO state: the data-parallel ones and their
+        context-parallel peers."""
+        return self.dp * self.cp
 
     def takes_experts(self) -> bool:
         """Whether expert parallelism over ``ep`` ranks fits this layout, by the strategy's own rule."""
-        return expert_layout_problem(self.ep, self.dp) is None
+        return expert_layout_problem(self.ep, self.reducing) is None
 
 
 @dataclass(frozen=True)
@@ -285,13 +298,13 @@ def estimate(shape: ModelShape, layout: Layout, training: Training, cluster: Clu
     compute_bytes = 2 if training.precision == "bf16-mixed" else 4
     # Under a pipeline each stage gathers its ZeRO-3 weights once per step and keeps them: ZeRO-2's memory.
     zero = min(layout.zero_stage, 2) if layout.pp > 1 else layout.zero_stage
-    tokens = training.micro_batch * training.seq_len  # per microbatch
+    tokens = training.micro_batch * training.seq_len / layout.cp  # per microbatch and rank
     sizes = shape.blocks_per_stage(layout.pp)
     saved = [
         bytes_per_token * compute_bytes / 4 * tokens / layout.tp for bytes_per_token in shape.activation_bytes_per_token
     ]
     worst: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
-    rank_parameters = shape.rank_parameters(layout.pp, layout.tp, layout.dp, layout.ep)
+    rank_parameters = shape.rank_parameters(layout.pp, layout.tp, layout.reducing, layout.ep)
     for pp_rank, ((whole, sharded), outside) in enumerate(
         zip(rank_parameters, shape.root_parameters(layout.pp, layout.tp), strict=True)
     ):
@@ -306,7 +319,7 @@ def estimate(shape: ModelShape, layout: Layout, training: Training, cluster: Clu
             # Zeroed before the schedule, then accumulated whole over the microbatches and reduced at the end: with
             # the fresh gradient of the largest group (or its reduce-scatter copy) and the reduced shards beside them.
             largest_group = max(outside, max(shape.block_costs[held]) / layout.tp)
-            grads = 4 * (whole + largest_group + (sharded if layout.dp > 1 else 0))
+            grads = 4 * (whole + largest_group + (sharded if layout.reducing > 1 else 0))
         optimizer = 8 * (sharded if zero >= 1 else whole)
         blocks = saved[held]
         in_flight = 1 if layout.pp == 1 else min(layout.microbatches, layout.pp - pp_rank)  # 1F1B
@@ -345,20 +358,30 @@ def _step_seconds(
     if layout.pp > 1:
         compute *= 1 + (layout.pp - 1) / layout.microbatches  # the bubble: (p - 1) / (m + p - 1) of the step
     blocks = max(shape.blocks_per_stage(layout.pp))
+    tokens = training.micro_batch * training.seq_len / layout.cp  # per microbatch and rank
     tensor_parallel = 0.0
     if layout.tp > 1:  # per block and microbatch: 2 all-reduces forward and 2 backward (or their SP halves)
-        volume = training.micro_batch * training.seq_len * shape.dim * compute_bytes
+        volume = tokens * shape.dim * compute_bytes
         ring = 2 * (layout.tp - 1) / layout.tp * volume
         tensor_parallel = blocks * layout.microbatches * 4 * ring / (cluster.intra_node_gbps * 1e9)
+    context_parallel = 0.0
+    if layout.cp > 1:
+        # Ring attention, per block and microbatch: each rank's keys and values (at the model's width, an upper bound
+        # under grouped-query attention) passed on cp - 1 times forward, and again with their gradients backward.
+        volume = 3 * (layout.cp - 1) * 2 * tokens * shape.dim / layout.tp * compute_bytes
+        bandwidth = (
+            cluster.inter_node_gbps if layout.tp * layout.cp > cluster.gpus_per_node else cluster.intra_node_gbps
+        )
+        context_parallel = blocks * layout.microbatches * volume / (bandwidth * 1e9)
     data_parallel = 0.0
-    if layout.dp > 1:
+    if layout.reducing > 1:
         params = shape.parameters / layout.tp / layout.pp
-        share = (layout.dp - 1) / layout.dp
+        share = (layout.reducing - 1) / layout.reducing
         # ZeRO-3 gathers weights for forward and backward of each microbatch and reduce-scatters fp32 gradients;
         # the other stages all-reduce fp32 gradients (a reduce-scatter and an all-gather of the same size).
         gathers = 2 * compute_bytes * layout.microbatches + 4 if zero == 3 else 2 * 4
         volume = share * params * gathers
-        crosses_nodes = layout.tp * layout.dp > cluster.gpus_per_node
+        crosses_nodes = layout.tp * layout.reducing > cluster.gpus_per_node
         bandwidth = cluster.inter_node_gbps if crosses_nodes else cluster.intra_node_gbps
         data_parallel = volume / (bandwidth * 1e9)
     expert_parallel = 0.0
@@ -371,39 +394,53 @@ def _step_seconds(
         crosses_nodes = layout.tp * layout.ep > cluster.gpus_per_node
         bandwidth = cluster.inter_node_gbps if crosses_nodes else cluster.intra_node_gbps
         expert_parallel = moe_layers * layout.microbatches * volume / (bandwidth * 1e9)
-    return compute + tensor_parallel + data_parallel + expert_parallel
+    return compute + tensor_parallel + context_parallel + data_parallel + expert_parallel
 
 
 def plan_layouts(shape: ModelShape, training: Training, cluster: Cluster, ep: int = 1) -> list[Estimate]:
     """For every split of ``cluster.gpus`` into pp x dp x tp (tp inside a node) that takes expert parallelism over
     ``ep`` ranks, the fastest ZeRO stage and activation checkpointing that fit, or the leanest where none does;
-    fastest first."""
+    fastest first. Where nothing fits a split, its data-parallel ranks split each sequence too (cp = 2, 4, ...: the
+    activations shrink by cp), the smallest cp that fits taken; where none does, the split is shown without."""
     plans = []
     for tp in _divisors(cluster.gpus):
         if tp > cluster.gpus_per_node or not shape.splits_evenly(tp):
             continue
         for pp in _divisors(cluster.gpus // tp):
-            dp = cluster.gpus // (tp * pp)
-            sequences = training.global_batch // dp
-            if pp > shape.n_layers or training.global_batch % dp or sequences % training.micro_batch:
-                continue
-            microbatches = sequences // training.micro_batch
-            if pp > 1 and microbatches < pp:
-                continue
-            if not Layout(pp, dp, tp, ep=ep).takes_experts():
-                continue
-            options = [
-                estimate(shape, Layout(pp, dp, tp, zero, checkpointing, microbatches, ep=ep), training, cluster)
-                for zero in ((0, 1, 2, 3) if dp > 1 else (0,))
-                if not (pp > 1 and zero == 3)  # under a pipeline ZeRO-3 is ZeRO-2 (see estimate)
-                and not (ep > 1 and zero == 1)  # ZeRO-1 deals whole parameters over every data-parallel rank
-                for checkpointing in (None, "selective", "full")
-            ]
-            fitting = [option for option in options if option.fits]
-            plans.append(
-                min(fitting, key=lambda e: (e.step_s, e.total)) if fitting else min(options, key=lambda e: e.total)
-            )
+            tried = []
+            for cp in _divisors(cluster.gpus // (tp * pp)):
+                split = _best_of_split(shape, training, cluster, pp, tp, cp, ep)
+                if split is not None:
+                    tried.append(split)
+                    if split.fits:
+                        break
+            if tried:
+                plans.append(tried[-1] if tried[-1].fits else tried[0])
     return sorted(plans, key=lambda e: (not e.fits, e.step_s if e.fits else e.total))
+
+
+def _best_of_split(
+    shape: ModelShape, training: Training, cluster: Cluster, pp: int, tp: int, cp: int, ep: int
+) -> Estimate | None:
+    """The fastest ZeRO stage and activation checkpointing of pp x dp x cp x tp that fit, or else the leanest; ``None``
+    where the split cannot run."""
+    dp = cluster.gpus // (tp * pp * cp)
+    sequences = training.global_batch // dp if training.global_batch % dp == 0 else 0
+    if pp > shape.n_layers or not sequences or sequences % training.micro_batch or training.seq_len % (2 * cp):
+        return None
+    microbatches = sequences // training.micro_batch
+    if (pp > 1 and microbatches < pp) or not Layout(pp, dp, tp, ep=ep, cp=cp).takes_experts():
+        return None
+    reducing = dp * cp
+    options = [
+        estimate(shape, Layout(pp, dp, tp, zero, checkpointing, microbatches, ep=ep, cp=cp), training, cluster)
+        for zero in ((0, 1, 2, 3) if reducing > 1 else (0,))
+        if not (pp > 1 and zero == 3)  # under a pipeline ZeRO-3 is ZeRO-2 (see estimate)
+        and not (ep > 1 and zero == 1)  # ZeRO-1 deals whole parameters over every data-parallel rank
+        for checkpointing in (None, "selective", "full")
+    ]
+    fitting = [option for option in options if option.fits]
+    return min(fitting, key=lambda e: (e.step_s, e.total)) if fitting else min(options, key=lambda e: e.total)
 
 
 def choose_layout(
@@ -421,27 +458,29 @@ def choose_layout(
     microbatches: int | None = None,
     stages_per_rank: int = 1,
     ep: int = 1,
+    cp: int = 1,
 ) -> Estimate:
     """The split of ``cluster.gpus`` ranks that trains the most tokens per second and fits, for sizes left ``None``.
 
     Unlike :func:`plan_layouts`, which holds the global batch, this holds the batch each data-parallel rank is given
     (Lightning's ``batch_size``): more data parallelism trains more sequences per step, so layouts are ranked by
     tokens per second, not by step time. The ZeRO stage and activation checkpointing are the user's; the pipeline
-    cuts each rank's batch into ``microbatches`` (default ``pp``).
+    cuts each rank's batch into ``microbatches`` (default ``pp``). ``cp`` ranks split each sequence beside each
+    data-parallel rank.
     """
     fixed = ", ".join(f"{name}={size}" for name, size in (("pp", pp), ("dp", dp), ("tp", tp)) if size is not None)
     candidates = []
-    for tp_size in _divisors(cluster.gpus):
+    for tp_size in _divisors(cluster.gpus // cp):
         if tp not in (None, tp_size) or tp_size > cluster.gpus_per_node or not shape.splits_evenly(tp_size):
             continue
-        for pp_size in _divisors(cluster.gpus // tp_size):
-            dp_size = cluster.gpus // (tp_size * pp_size)
+        for pp_size in _divisors(cluster.gpus // (tp_size * cp)):
+            dp_size = cluster.gpus // (tp_size * pp_size * cp)
             chunks = (microbatches or pp_size) if pp_size > 1 else 1
             if pp not in (None, pp_size) or dp not in (None, dp_size) or batch_per_replica % chunks:
                 continue
             if pp_size * stages_per_rank > shape.n_layers:
                 continue
-            layout = Layout(pp_size, dp_size, tp_size, zero_stage, activation_checkpointing, chunks, ep=ep)
+            layout = Layout(pp_size, dp_size, tp_size, zero_stage, activation_checkpointing, chunks, ep=ep, cp=cp)
             if not layout.takes_experts():
                 continue
             training = Training(seq_len, batch_per_replica * dp_size, batch_per_replica // chunks, precision)

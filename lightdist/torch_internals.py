@@ -12,6 +12,11 @@ Each name is here because torch has no public way to do the same yet:
   process group without processes, for the planner and ``lightdist plan``.
 - ``torch.distributed.distributed_c10d``: a group's timeout.
 - ``Tensor._base``: whether a tensor is a view.
+- ``torch._C.DisableTorchFunctionSubclass``: a tensor subclass's ``__torch_function__`` calling torch on itself
+  without calling itself again, as ``Tensor.__torch_function__`` does.
+- ``torch.distributed.tensor.experimental._context_parallel._attention``: torch's ring attention, forward and
+  backward, for any attention kernel that returns its log-sum-exp; its public ``context_parallel`` patches only the
+  CUDA kernels, for torchtitan's own models.
 
 ``SUBCLASS_PRIVATES`` lists the private members of torch's classes that lightdist's subclasses override or call.
 """
@@ -21,12 +26,18 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint._async_process_executor import _AsyncCheckpointProcess
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.distributed_c10d import _set_pg_timeout
+from torch.distributed.tensor.experimental._context_parallel._attention import (
+    _cp_options,
+    _templated_ring_attention,
+    _templated_ring_attention_backward,
+)
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightdist.quiet import silence_known_noise
@@ -39,7 +50,10 @@ __all__ = [
     "FsspecWriter",
     "is_view",
     "quiet_checkpoint_processes",
+    "ring_attention_backward",
+    "ring_attention_forward",
     "set_group_timeout",
+    "subclass_dispatch_disabled",
 ]
 
 # Private members of torch's classes that lightdist's subclasses override or call, and why.
@@ -54,9 +68,89 @@ def set_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
     _set_pg_timeout(timeout, group)
 
 
+def subclass_dispatch_disabled() -> torch._C.DisableTorchFunctionSubclass:
+    """A context in which torch calls on tensor subclasses skip their ``__torch_function__``."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
 def is_view(tensor: Tensor) -> bool:
     """Whether ``tensor`` is a view of another tensor's memory."""
     return tensor._base is not None
+
+
+_aten = torch.ops.aten
+# torch's ring attention reads its options from a global: chunks held as head and tail (load-balanced), key/value
+# blocks passed by all-gather. lightdist holds its sequences so, always.
+_cp_options.enable_load_balance = True
+
+
+def ring_attention_forward(
+    group: dist.ProcessGroup, query: Tensor, key: Tensor, value: Tensor, scale: float | None
+) -> tuple[Tensor, Tensor, tuple]:
+    """Causal ring attention over ``group`` of each rank's two chunks (head and tail) of the sequence: the output, its
+    log-sum-exp, and what the kernel's backward needs besides (flash attention's on CUDA, the CPU kernel's on CPU)."""
+    if query.device.type == "cpu":
+        out, logsumexp = _templated_ring_attention(
+            group,
+            2,
+            _aten._scaled_dot_product_flash_attention_for_cpu,
+            query,
+            key,
+            value,
+            True,
+            dropout_p=0.0,
+            scale=scale,
+        )[:2]
+        return out, logsumexp, ()
+    out, logsumexp, *state = _templated_ring_attention(
+        group, 2, _aten._scaled_dot_product_flash_attention, query, key, value, True, dropout_p=0.0, scale=scale
+    )
+    return out, logsumexp, tuple(state[:6])  # cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset
+
+
+def ring_attention_backward(
+    group: dist.ProcessGroup,
+    grad_out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    logsumexp: Tensor,
+    kernel_state: tuple,
+    scale: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of ``ring_attention_forward``'s query, key and value."""
+    grad_out = grad_out.contiguous()
+    if query.device.type == "cpu":
+        op, extra = _aten._scaled_dot_product_flash_attention_for_cpu_backward, {}
+    else:
+        cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset = kernel_state
+        op = _aten._scaled_dot_product_flash_attention_backward.default
+        extra = dict(
+            cum_seq_q=cum_seq_q,
+            cum_seq_k=cum_seq_k,
+            max_q=max_q,
+            max_k=max_k,
+            philox_seed=philox_seed,
+            philox_offset=philox_offset,
+        )
+    grads = _templated_ring_attention_backward(
+        group,
+        2,
+        op,
+        grad_out,
+        "grad_out",
+        query,
+        key,
+        value,
+        out,
+        logsumexp,
+        True,
+        dropout_p=0.0,
+        scale=scale,
+        **extra,
+    )
+    return grads[0], grads[1], grads[2]
 
 
 # torch's own first function of the checkpoint process, kept before quiet_checkpoint_processes replaces it.

@@ -35,15 +35,17 @@ class LayoutRequest:
     dp: int | Literal["auto"]
     tp: int | Literal["auto", "node"]
     pp: int | Literal["auto"]
+    cp: int = 1
 
     def __post_init__(self) -> None:
         for name, size, words in (
             ("data_parallel_size", self.dp, ("auto",)),
             ("tensor_parallel_size", self.tp, ("auto", "node")),
             ("pipeline_parallel_size", self.pp, ("auto",)),
+            ("context_parallel_size", self.cp, ()),
         ):
             if size not in words and (not isinstance(size, int) or size < 1):
-                raise ValueError(f"{name}={size!r} must be a positive integer or {' or '.join(map(repr, words))}.")
+                raise ValueError(f"{name}={size!r} must be a positive integer{''.join(f' or {w!r}' for w in words)}.")
 
     @property
     def planned(self) -> bool:
@@ -58,6 +60,7 @@ class LayoutRequest:
             tensor_parallel_size=self._tp(devices_per_node),
             pipeline_parallel_size=self.pp,
             world_from=world_from,
+            context_parallel_size=self.cp,
         )
 
     def plan(
@@ -83,6 +86,7 @@ class LayoutRequest:
             dp=given(self.dp),
             tp=given(self._tp(devices_per_node)),
             config=config,
+            cp=self.cp,
         )
         check_microbatch_rounds(config.pipeline_schedule, config.microbatches, layout.pp)
         return layout, (
@@ -105,9 +109,10 @@ def planned_layout(
     dp: int | None,
     tp: int | None,
     config: ParallelConfig,
+    cp: int = 1,
 ) -> tuple[ParallelLayout, Estimate]:
     """The layout that trains ``module`` fastest within its devices' memory, split as ``config`` says, the sizes not
-    ``None`` held."""
+    ``None`` held, each sequence split over ``cp`` ranks."""
     if not any(True for _ in module.parameters()):
         # Lightning asks the hook to be idempotent: its own call finds the layers built, on the meta device, and the
         # strategy materializes them once split, as after `trainer.init_module(empty_init=True)`.
@@ -142,8 +147,9 @@ def planned_layout(
         microbatches=config.microbatches,
         stages_per_rank=config.stages_per_pipeline_rank,
         ep=config.expert_parallel_size,
+        cp=cp,
     )
-    return ParallelLayout(pp=choice.layout.pp, dp=choice.layout.dp, tp=choice.layout.tp), choice
+    return ParallelLayout(pp=choice.layout.pp, dp=choice.layout.dp, tp=choice.layout.tp, cp=cp), choice
 
 
 def device_memory_gib(device: torch.device, local_ranks: int) -> float:

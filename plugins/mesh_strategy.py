@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
+from lightdist.context_parallel import ContextParallel, context_parallel_over
 from lightdist.expert_parallel import check_expert_layout
 from lightdist.failures import FailureReport
 from lightdist.heartbeat import Heartbeat, name_the_silent_rank, store_on_rank_zero
@@ -59,6 +60,7 @@ class MeshStrategy(ModelParallelStrategy):
         self._resuming_launcher: ResumesLast | None = None
         self._heartbeat: Heartbeat | None = None
         self._failures: FailureReport | None = None
+        self.context_parallel: ContextParallel | None = None  # each sequence split over neighbouring "dp" ranks
 
     @property
     def layout(self) -> ParallelLayout:
@@ -90,8 +92,9 @@ class MeshStrategy(ModelParallelStrategy):
 
     @property
     def _data_parallel(self) -> tuple[int, int]:
-        """This rank's index among the data-parallel ranks, and their number."""
-        return self.device_mesh["dp"].get_local_rank(), self.device_mesh["dp"].size()
+        """This rank's index among the data-parallel ranks, and their number (context-parallel peers, beside each
+        other in ``"dp"``, share a batch)."""
+        return self.device_mesh["dp"].get_local_rank() // self.layout.cp, self.layout.dp
 
     def check_world_size(self, world_size: int, launcher: str) -> None:
         """Raise what this strategy's sizes would raise on ``world_size`` ranks, before a ``launcher`` starts any."""
@@ -116,7 +119,7 @@ class MeshStrategy(ModelParallelStrategy):
             self.num_nodes = nodes_started_by_torchrun(self.num_nodes, report=rank_zero_info)
         if not self._sizes.planned:
             self._layout = self._resolve_layout()
-            check_expert_layout(self._config.expert_parallel_size, self._layout.dp)
+            check_expert_layout(self._config.expert_parallel_size, self._layout.dp * self._layout.cp)
         if self._config.cpu_offload and self.root_device.type == "cpu":
             raise ValueError(
                 "cpu_offload=True moves sharded state from accelerator memory to CPU memory, but the accelerator is "
@@ -183,6 +186,8 @@ class MeshStrategy(ModelParallelStrategy):
         for dim in self._mesh.mesh_dim_names:  # torch makes a mesh's groups with its default timeout
             set_group_timeout(self._mesh[dim].get_group(), self._collective_timeout)
         give_device_mesh(self.lightning_module, self._mesh)
+        method = self._config.context_parallel_method
+        self.context_parallel = context_parallel_over(self._mesh, self._layout.cp, method, self.lightning_module)
         if self.world_size > 1:  # a single process has no one to wait on
             if self._heartbeat is None:
                 store = store_on_rank_zero(self.cluster_environment.main_address, self._collective_timeout)

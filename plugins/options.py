@@ -46,6 +46,19 @@ def validate_options(
             f"non_finite={non_finite!r} is not one of 'skip' (leave the weights as they were), 'rollback' (load the "
             "newest checkpoint), 'stop' (raise, naming the step) or None (check nothing)."
         )
+    if sizes.cp > 1 and (sizes.pp != 1 or config.compile):
+        clash = f"pipeline_parallel_size={sizes.pp!r}" if sizes.pp != 1 else "compile=True"
+        raise ValueError(
+            f"context_parallel_size={sizes.cp} with {clash} is not supported yet: lightdist splits sequences under "
+            "data, tensor and expert parallelism. Use context_parallel_size=1 or drop the other option."
+        )
+    if sizes.cp > 1 and sizes.tp != 1 and config.sequence_parallel:
+        raise ValueError(
+            f"context_parallel_size={sizes.cp} with tensor_parallel_size={sizes.tp!r} needs sequence_parallel=False: "
+            "torch 2.13's DTensor fails on sequence-parallel activations while context parallelism watches the "
+            "model's calls for positions and attention. Set sequence_parallel=False (each context-parallel rank "
+            "already holds only its share of the sequence)."
+        )
     if config.pipeline_tracer and sizes.tp != 1:
         raise ValueError(
             "pipeline_tracer=True traces each block into a graph with its head counts fixed, which tensor "

@@ -58,6 +58,8 @@ def run_header(
         f"{device}{'s' if layout.world_size > 1 else ''} as {layout}, ZeRO-{run['zero_stage']}"
     ]
     split = []
+    if layout.cp > 1:
+        split.append(f"each sequence split over {layout.cp} ranks (attention: {run['context_parallel_method']})")
     if run["expert_parallel_size"] > 1:
         split.append(f"experts split over {run['expert_parallel_size']} data-parallel ranks")
     if layout.pp > 1:
@@ -86,6 +88,7 @@ def _planned_memory(strategy: ParallelStrategy, config: ParallelConfig) -> tuple
             dp=layout.dp,
             tp=layout.tp,
             config=config,
+            cp=layout.cp,
         )
     except Exception as error:  # the header must not stop a run: no seq_len and batch_size, a model it cannot trace
         # The first line whole, which says what to add: the rest may list every module the planner saw.

@@ -10,7 +10,7 @@ loads the sharded checkpoints.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -23,14 +23,14 @@ from typing_extensions import override
 
 from lightdist.activation_checkpointing import ActivationCheckpointing
 from lightdist.async_checkpoint import AsyncMode
-from lightdist.listed_experts import experts_held_apart
+from lightdist.context_parallel import ContextParallelMethod
 from lightdist.loss_parallel import vocab_parallel_cross_entropy
 from lightdist.parallelize import ModelHolder, ParallelConfig, materialize, parallelize
 from lightdist.pipeline.schedules import PipelineSchedule
-from lightdist.pipeline.structural import clip_grads, grad_norm_across_stages
 from lightdist.pipeline.traced import share_model_buffers
 from lightdist.plugins.auto_layout import LayoutRequest
 from lightdist.plugins.checkpointing_strategy import CheckpointingStrategy
+from lightdist.plugins.gradient_norm import GradientNorm
 from lightdist.plugins.lightning_internals import skip_lightning_backward
 from lightdist.plugins.metric_sync import metrics_set_aside, reduce_metrics_over, refuse_metrics_on_meta
 from lightdist.plugins.non_finite import NonFiniteGuard, NonFinitePolicy, NonFiniteStep
@@ -57,16 +57,17 @@ class ParallelStrategy(CheckpointingStrategy):
     """Train any LightningModule LLM with ZeRO/FSDP data parallelism on a ``("pp", "dp", "tp")`` DeviceMesh.
 
     Args:
-        data_parallel_size: Ranks that see different batches; ``"auto"``: every rank not used by tensor or pipeline
-            parallelism.
+        data_parallel_size: Ranks that see different batches; ``"auto"``: every rank not used by tensor, pipeline or
+            context parallelism.
         tensor_parallel_size: Ranks that split each layer's matrices; ``"node"``: the devices of one node.
         pipeline_parallel_size: Ranks that each hold a slice of the decoder stack. With either size ``"auto"`` the
             planner picks the sizes that train the most tokens per second within the devices' memory, for the model
             and the ``seq_len`` and ``batch_size`` (per data-parallel rank) that it or its data module declare,
             by ``lightdist plan``'s estimates; the choice is logged when ``fit`` starts.
         zero_stage, pipeline_schedule, virtual_stages, microbatches, pipeline_split, pipeline_tracer,
-        activation_checkpointing, sequence_parallel, loss_parallel, cpu_offload, tp_plan, compile,
-        expert_parallel_size: How the model is split: ``lightdist.parallelize.ParallelConfig`` documents each.
+        activation_checkpointing, sequence_parallel, loss_parallel, cpu_offload, tp_plan, compile, expert_parallel_size,
+        context_parallel_method: How the model is split: ``lightdist.parallelize.ParallelConfig`` documents each.
+        context_parallel_size: Ranks that split each sequence, attention still over all of it (``context_parallel``).
         pretrained, pretrained_prefix: A Hugging Face checkpoint directory (``save_pretrained``, a path or any fsspec
             URL) the run starts from: once split, the model is filled from it, each rank reading only its shards'
             bytes (``lightdist.pretrained``; a resume reads the run's own checkpoint instead). The checkpoint's names
@@ -108,6 +109,8 @@ class ParallelStrategy(CheckpointingStrategy):
         tp_plan: dict[str, TensorParallelStyle] | None = None,
         compile: bool = False,
         expert_parallel_size: int = 1,
+        context_parallel_size: int = 1,
+        context_parallel_method: ContextParallelMethod = "auto",
         async_checkpoint: AsyncMode | None = "process",
         pretrained: str | PretrainedWeights | None = None,
         pretrained_prefix: str = "",
@@ -117,7 +120,7 @@ class ParallelStrategy(CheckpointingStrategy):
         process_group_backend: str | None = None,
     ) -> None:
         # Each refuses what cannot run, before any process or tensor exists.
-        sizes = LayoutRequest(dp=data_parallel_size, tp=tensor_parallel_size, pp=pipeline_parallel_size)
+        sizes = LayoutRequest(data_parallel_size, tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
         config = ParallelConfig(
             zero_stage=zero_stage,
             pipeline_schedule=pipeline_schedule,
@@ -132,6 +135,7 @@ class ParallelStrategy(CheckpointingStrategy):
             tp_plan=tp_plan,
             compile=compile,
             expert_parallel_size=expert_parallel_size,
+            context_parallel_method=context_parallel_method,
         )
         validate_options(sizes, config, async_checkpoint, storage_options, non_finite, collective_timeout)
         super().__init__(sizes, config, collective_timeout, process_group_backend, async_checkpoint)
@@ -141,6 +145,7 @@ class ParallelStrategy(CheckpointingStrategy):
         self._non_finite = NonFiniteGuard(non_finite)
         self.pipeline_step: PipelineStep | None = None  # runs this rank's pipeline stages; its clock times the bubble
         self._token_weights: TokenWeights | None = None
+        self.gradient_norm: GradientNorm | None = None  # of the whole model, over every shard and stage
         self._pretrained = PretrainedWeights(pretrained, pretrained_prefix) if type(pretrained) is str else pretrained
         self.pretrained_load: PretrainedLoad | None = None  # what this rank read of the pretrained weights
         self.planned_memory: Estimate | None = None  # the planner's, on rank 0: TrainingMonitor logs it beside its own
@@ -177,17 +182,14 @@ class ParallelStrategy(CheckpointingStrategy):
             self.setup_optimizers(trainer)
             skip_lightning_backward(trainer, self.pipeline_step is not None)
         self.setup_precision_plugin()
-        # Lightning's clipping sees this stage's gradients only, and one DTensor mesh; the norm must cover them all.
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_norm_across_stages
+        self.gradient_norm = GradientNorm(self.lightning_module, self.device_mesh, self.pipeline_step)
+        self.precision_plugin.clip_grad_by_norm = self.gradient_norm.clip
 
     @property
     def run_config(self) -> dict[str, Any]:
         """The layout this run trains under, as its loggers record it (W&B's run config, hparams.yaml)."""
-        return {
-            **self._config.as_run(self.layout),
-            "non_finite": self._non_finite.policy,
-            "precision": self.precision_plugin.precision,
-        }
+        precision = self.precision_plugin.precision
+        return self._config.as_run(self.layout) | {"non_finite": self._non_finite.policy, "precision": precision}
 
     def _parallelize(self, module: pl.LightningModule) -> ModelHolder:
         """Split the LightningModule over the mesh (``lightdist.parallelize``), once per module; under a pipeline, run
@@ -238,6 +240,8 @@ class ParallelStrategy(CheckpointingStrategy):
 
     def _step(self, name: str, lightning_step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Lightning's step ``name``, or under a pipeline the schedule's run of it, weighed by its labelled tokens."""
+        if self.context_parallel is not None:
+            args = (self.context_parallel.shard_batch(args[0]), *args[1:])
         run = partial(lightning_step, *args, **kwargs)
         if self.pipeline_step is not None:
             run = partial(self.pipeline_step.run, name, *args[:2], self.optimizers, self.precision_plugin)
@@ -249,8 +253,14 @@ class ParallelStrategy(CheckpointingStrategy):
         with self._loss_context():
             return super().backward(self._token_weights.for_backward(closure_loss), optimizer, *args, **kwargs)
 
-    def _loss_context(self) -> AbstractContextManager:
-        return vocab_parallel_cross_entropy() if self._config.loss_parallel and self.layout.tp > 1 else nullcontext()
+    def _loss_context(self) -> ExitStack:
+        """Context parallelism's positions and attention, and the loss of logits split by vocabulary, as asked."""
+        stack = ExitStack()
+        if self.context_parallel is not None:
+            stack.enter_context(self.context_parallel.active())
+        if self._config.loss_parallel and self.layout.tp > 1:
+            stack.enter_context(vocab_parallel_cross_entropy())
+        return stack
 
     @contextmanager
     @override
@@ -291,19 +301,6 @@ class ParallelStrategy(CheckpointingStrategy):
         self.load_checkpoint(checkpoint)
         self._rng_state_to_restore = None  # the weights roll back; the data goes on, past the batch that failed
         return resolve(checkpoint)
-
-    def gradient_norm(self, optimizer: Optimizer) -> Tensor:
-        """The norm of the whole model's gradient, the same on every rank: over every pipeline stage and every
-        tensor- and data-parallel shard, a weight tied across the pipeline's ends counted once."""
-        parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        elsewhere = self.pipeline_step.counted_elsewhere() if self.pipeline_step is not None else set()
-        apart = experts_held_apart(self.lightning_module)
-        pp = self.device_mesh["pp"].get_group()
-        return grad_norm_across_stages(parameters, pp, counted_elsewhere=elsewhere, held_apart=apart)
-
-    def _clip_grad_norm_across_stages(self, optimizer: Optimizer, clip_val: float) -> None:
-        parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grads(parameters, clip_val, self.gradient_norm(optimizer))
 
     @classmethod
     @override

@@ -23,6 +23,15 @@ from multirank import raised, run_each, run_ranks
 from training import MODELS, TwoStreamLM
 
 
+def test_context_parallel_ranks_count_in_the_world_size() -> None:
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=1 x context_parallel_size=4 = 8, but the world size is 4"
+    ):
+        Trainer(accelerator="cpu", devices=4, strategy=ParallelStrategy(data_parallel_size=2, context_parallel_size=4))
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=1 x context_parallel_size=3 = 3, so data_parallel"):
+        Trainer(accelerator="cpu", devices=4, strategy=ParallelStrategy(context_parallel_size=3))
+
+
 def test_world_size_must_equal_the_product_of_the_degrees() -> None:
     # Raised while the Trainer is built: no process started, no parameter allocated.
     with pytest.raises(ValueError, match=r"data_parallel_size=3 .* = 3, but the world size is 4"):
@@ -59,6 +68,17 @@ def test_under_torchrun_the_error_names_the_launchers_world_size(monkeypatch: py
         (dict(zero_stage=1, cpu_offload=True), r"cpu_offload=True needs .* zero_stage=1. Use zero_stage=2 or 3"),
         (dict(compile=True, activation_checkpointing="full"), r"compile=True with activation_checkpointing='full'"),
         (dict(tensor_parallel_size=0), r"tensor_parallel_size=0 must be a positive integer or 'auto' or 'node'"),
+        (dict(context_parallel_size=0), r"context_parallel_size=0 must be a positive integer\.$"),
+        (dict(context_parallel_method="ulysses"), r"context_parallel_method='ulysses' is not one of 'auto', 'ring'"),
+        (
+            dict(context_parallel_size=2, pipeline_parallel_size=2),
+            r"context_parallel_size=2 with pipeline_parallel_size=2 is not supported yet",
+        ),
+        (dict(context_parallel_size=2, compile=True), r"context_parallel_size=2 with compile=True is not supported"),
+        (
+            dict(context_parallel_size=2, tensor_parallel_size=2),
+            r"context_parallel_size=2 with tensor_parallel_size=2 needs sequence_parallel=False",
+        ),
         (dict(pipeline_parallel_size="four"), r"pipeline_parallel_size='four' must be a positive integer or 'auto'"),
         (dict(virtual_stages=2), r"pipeline_schedule='1f1b' runs one stage per rank, but virtual_stages=2. Use"),
         (dict(async_checkpoint="daemon"), r"async_checkpoint='daemon' is not one of 'process' \(upload from a daemon"),

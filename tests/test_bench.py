@@ -111,3 +111,16 @@ def test_data_benchmark_tokenizes_each_way_and_loads_from_disk_and_s3(tmp_path: 
     rates = {row: float(value) for row, value in last_columns.items() if value.replace(".", "").isdigit()}
     ways = ["tokenizers alone, its threads", "lightdist prepare, 1 process(es)", "local disk", "S3 (moto)"]
     assert all(rates[way] > 0 for way in ways), run.stdout
+
+
+def test_context_parallel_benchmark_times_each_size_and_method(tmp_path: Path) -> None:
+    bench = BENCH.parent / "context_parallel.py"
+    options = ["--lengths", "256", "--sizes", "1", "2", "--repeats", "1"]
+    run = subprocess.run(
+        [sys.executable, str(bench), *options], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.strip("|").split("|") for line in run.stdout.splitlines() if line.startswith("| 256 ")]
+    assert [(row[1].strip(), row[2].strip()) for row in rows] == [("1", "none"), ("2", "all_to_all"), ("2", "ring")]
+    # Each rank of two keeps about half of one rank's activations.
+    assert all(0.4 < float(row[5]) < 0.6 for row in rows[1:]), run.stdout

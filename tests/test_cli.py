@@ -91,6 +91,8 @@ def test_main_job_config_trains_3d_and_saves_every_ranks_shard(tmp_path: Path) -
         "data_parallel_size": 2,
         "tensor_parallel_size": 2,
         "expert_parallel_size": 1,
+        "context_parallel_size": 1,
+        "context_parallel_method": None,  # no sequence split
         "zero_stage": 2,  # the config's 3, as it runs under a pipeline (gathered once per step)
         "pipeline_schedule": "1f1b",
         "virtual_stages": 1,

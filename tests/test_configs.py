@@ -70,6 +70,7 @@ ON_TWO_RANKS = {
     "moe_cpu": [f"{STRATEGY}.pipeline_parallel_size=1", f"{STRATEGY}.tensor_parallel_size=1"],
     # the corpus prepared into the bucket first, as its header says (a few modules' docstrings)
     "python_docs_s3_cpu": [f"{STRATEGY}.pipeline_parallel_size=1", f"{STRATEGY}.tensor_parallel_size=1"],
+    "long_context_cpu": [f"{STRATEGY}.tensor_parallel_size=1"],  # each window split over the 2 ranks
 }
 
 

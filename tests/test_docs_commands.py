@@ -23,6 +23,9 @@ SHELL_BLOCKS = {
         "tests/test_cli.py::test_main_job_config_trains_3d_and_saves_every_ranks_shard"
     ),
     "bash scripts/setup.sh && .venv/bin/python -m pytest && .venv/bin/python -m pytest -m ray": ".ci/run",
+    ".venv/bin/lightdist fit --config configs/long_context_cpu.yaml": (
+        "tests/test_configs.py::test_every_config_trains_on_two_cpu_ranks"
+    ),
     '.venv/bin/lightdist plan --model lightdist.models.Llama --init-args \'{"preset": "70b"}\' --gpus 64 '
     "--gpu-memory 80": RUN_HERE,
     "torchrun --nnodes=1 --nproc-per-node=8 --max-restarts=3 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29500 "

@@ -16,6 +16,8 @@ pytestmark = pytest.mark.multirank
 TP2 = dict(tensor_parallel_size=2)  # with sequence parallelism, the default
 TP2_NO_SP = dict(tensor_parallel_size=2, sequence_parallel=False)
 PP2 = dict(pipeline_parallel_size=2)  # 1F1B over 2 microbatches, by default
+CP2 = dict(context_parallel_size=2)  # the method picked by the heads: all-to-all where they divide
+CP2_RING = dict(context_parallel_size=2, context_parallel_method="ring")
 
 CASES = {
     2: {
@@ -42,6 +44,18 @@ CASES = {
         ),
         "hf_llama_tp2": Case(strategy=dict(TP2, zero_stage=3), model="hf_llama", gradient_clip_val=0.1),
         "hf_opt_tp2_row_parallel_biases": Case(strategy=dict(TP2_NO_SP, zero_stage=3), model="hf_opt"),
+        # Context parallelism: each rank holds half of every sequence (two of four chunks); the step, the model and
+        # the data are the user's. Positions come from a rotary buffer sliced [:T] (the reference Llama, LitGPT),
+        # torch.arange (nanoGPT, GPT-2) or Hugging Face's cache_position; the label shift inside a Hugging Face loss
+        # (windows of 32 = seq_len + 1) and in the step (windows of 33, the model fed 32).
+        "cp2_ring": Case(strategy=CP2_RING),
+        "cp2_all_to_all": Case(strategy=dict(CP2, context_parallel_method="all_to_all")),
+        "zoo_hf_llama_labels_cp2_ring": Case(strategy=CP2_RING, model="zoo_hf_llama_labels", seq_len=31),
+        "zoo_hf_gpt2_labels_cp2": Case(strategy=CP2, model="zoo_hf_gpt2_labels", seq_len=31),
+        "zoo_hf_qwen2_logits_cp2": Case(strategy=CP2, model="zoo_hf_qwen2_logits"),
+        "zoo_nanogpt_cp2_ring": Case(strategy=CP2_RING, model="zoo_nanogpt"),
+        "zoo_litgpt_cp2": Case(strategy=CP2, model="zoo_litgpt"),
+        "gpt2_cp2_clip": Case(strategy=CP2, model="gpt2_no_bias", gradient_clip_val=0.1),
         "pp2_gpipe": Case(strategy=dict(PP2, pipeline_schedule="gpipe")),
         "pp2_1f1b_4_microbatches_clip_validating_every_2_steps": Case(
             strategy=dict(PP2, microbatches=4), gradient_clip_val=0.1, validate=True, val_check_interval=2
@@ -205,6 +219,18 @@ CASES = {
     },
     4: {
         "zero2_clip": Case(strategy=dict(zero_stage=2), gradient_clip_val=0.1),
+        "cp4_ring": Case(strategy=dict(context_parallel_size=4, context_parallel_method="ring")),
+        "zoo_hf_qwen2_logits_cp4": Case(strategy=dict(context_parallel_size=4), model="zoo_hf_qwen2_logits"),
+        "cp2_dp2_zero3_clip": Case(strategy=dict(CP2, zero_stage=3), gradient_clip_val=0.1),
+        "cp2_tp2": Case(strategy=dict(CP2, **TP2_NO_SP)),
+        # experts split over 2 of the 4 ranks that reduce gradients (dp2 x cp2), tokens of half-sequences routed
+        "moe_cp2_ep2": Case(strategy=dict(CP2, expert_parallel_size=2), model="moe_lm_only"),
+        # Collator batches: the attention mask dropped (padding on the right, unlabelled), ranks holding different
+        # numbers of labelled tokens weighed by them
+        "zoo_hf_llama_cp2_dp2_padded": Case(
+            strategy=dict(CP2, zero_stage=2), model="zoo_hf_llama_finetuning", data="padded"
+        ),
+        "zoo_hf_gpt2_cp2_dp2_collated": Case(strategy=CP2, model="zoo_hf_gpt2_finetuning", data="collated"),
         "zero3_accumulate_clip": Case(strategy=dict(zero_stage=3), accumulate_grad_batches=2, gradient_clip_val=0.1),
         "tp2_dp2_zero3_clip": Case(strategy=dict(TP2, zero_stage=3), gradient_clip_val=0.1, validate=True),
         "tp2_dp2_zero2_accumulate": Case(strategy=dict(TP2, zero_stage=2), accumulate_grad_batches=2),
@@ -286,6 +312,7 @@ CASES = {
         ),
     },
     8: {  # 3D: pp=2 x dp=2 x tp=2
+        "cp2_dp2_tp2_zero3": Case(strategy=dict(CP2, **TP2_NO_SP, zero_stage=3)),
         "3d_clip": Case(strategy=dict(PP2, **TP2), gradient_clip_val=0.1, validate=True),
         "3d_gpt2_interleaved_fused_qkv_tied_clip": Case(
             strategy=dict(PP2, **TP2, pipeline_schedule="interleaved_1f1b", microbatches=4),

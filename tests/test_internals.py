@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torchmetrics import MeanMetric
@@ -31,7 +32,7 @@ from lightdist.plugins.lightning_internals import (
 )
 from lightdist.plugins.pipeline_step import batch_on_device, optimizer_steps_after
 from lightdist.sharding import optimizer_states_to
-from lightdist.torch_internals import is_view, set_group_timeout
+from lightdist.torch_internals import is_view, ring_attention_backward, ring_attention_forward, set_group_timeout
 
 REPO = Path(__file__).parents[1]
 INTERNALS = {REPO / "lightdist/torch_internals.py", REPO / "plugins/lightning_internals.py"}
@@ -249,6 +250,17 @@ def test_torch_internals_behave_as_lightdist_relies_on(tmp_path: Path) -> None:
         module = _Recorder()
         give_device_mesh(module, mesh)
         assert module.device_mesh is mesh
+        # torch's ring attention over one rank is causal attention, forward and backward
+        query, key, value = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
+        expected = F.scaled_dot_product_attention(query, key, value, is_causal=True)
+        grad = torch.randn_like(expected)
+        expected.backward(grad)
+        held = [t.detach() for t in (query, key, value)]
+        out, logsumexp, state = ring_attention_forward(mesh.get_group(), *held, None)
+        torch.testing.assert_close(out, expected.detach())
+        grads = ring_attention_backward(mesh.get_group(), grad, *held, out, logsumexp, state, None)
+        for got, tensor in zip(grads, (query, key, value), strict=True):
+            torch.testing.assert_close(got, tensor.grad)
     finally:
         dist.destroy_process_group()
 

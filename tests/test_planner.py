@@ -24,6 +24,7 @@ from lightdist.plugins import ParallelStrategy
 from multirank import run_ranks
 
 LLAMA_70B = ["--model", "lightdist.models.Llama", "--init-args", '{"preset": "70b"}']
+LLAMA_8B = ["--model", "lightdist.models.Llama", "--init-args", '{"preset": "8b"}']
 
 
 def meta_llama(preset: str) -> Llama:
@@ -162,6 +163,15 @@ def test_plan_says_by_how_much_nothing_fits_and_what_would(capsys: pytest.Captur
     assert f"{needed - 24:.1f} GiB more than 24. It fits on 64 GPUs: " in verdict
 
 
+def test_plan_splits_sequences_where_they_do_not_fit_otherwise(capsys: pytest.CaptureFixture) -> None:
+    main(["plan", *LLAMA_8B, "--gpus", "8", "--seq-len", "131072", "--global-batch", "8"])
+    *_, recommendation = capsys.readouterr().out.splitlines()
+    # 131072 tokens' activations do not fit one GPU's 80 GiB, even recomputed: each sequence goes over 4 GPUs.
+    assert recommendation.startswith("Recommended: pp=1 x dp=2 x cp=4 x tp=1, ZeRO-3, full ckpt: ")
+    main(["plan", *LLAMA_8B, "--gpus", "8", "--seq-len", "4096", "--global-batch", "8"])
+    assert " cp=" not in capsys.readouterr().out  # short sequences fit without: no split pays its ring
+
+
 def test_plan_names_what_no_split_of_the_cluster_can_satisfy(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", *LLAMA_70B, "--gpus", "3", "--global-batch", "2"])
@@ -194,6 +204,7 @@ MEMORY_LAYOUTS = {  # on 4 CPU ranks, fp32
     "pp2_tp2_loss_parallel": dict(pipeline_parallel_size=2, tensor_parallel_size=2, microbatches=4, loss_parallel=True),
     "pp2_dp2_zero2": dict(pipeline_parallel_size=2, zero_stage=2, microbatches=4),
     "dp4_zero3_full_checkpointing": dict(zero_stage=3, activation_checkpointing="full"),
+    "dp2_cp2_zero3": dict(context_parallel_size=2, zero_stage=3),
 }
 
 
@@ -233,7 +244,8 @@ def test_memory_estimate_is_within_15_percent_of_what_cpu_ranks_use(monkeypatch:
         shape = ModelShape(Llama("small", config=SMALL_4_LAYERS))
     for (name, options), per_rank in zip(MEMORY_LAYOUTS.items(), zip(*measured, strict=True), strict=True):
         pp, tp = options.get("pipeline_parallel_size", 1), options.get("tensor_parallel_size", 1)
-        dp, microbatches = 4 // (pp * tp), options.get("microbatches", 1)
+        cp = options.get("context_parallel_size", 1)
+        dp, microbatches = 4 // (pp * tp * cp), options.get("microbatches", 1)
         layout = Layout(
             pp,
             dp,
@@ -242,6 +254,7 @@ def test_memory_estimate_is_within_15_percent_of_what_cpu_ranks_use(monkeypatch:
             options.get("activation_checkpointing"),
             microbatches,
             options.get("loss_parallel", False),
+            cp=cp,
         )
         training = Training(SEQ_LEN, BATCH * dp, BATCH // microbatches, precision="32-true")
         planned = estimate(shape, layout, training, Cluster(4, memory_gib=64)).total

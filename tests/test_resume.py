@@ -51,6 +51,9 @@ RESUMES = {
         two_epochs(model="listed_experts", expert_parallel_size=2),
         two_epochs(model="listed_experts", zero_stage=0),
     ),
+    # each sequence split over 2 ranks on save, whole sequences on 2 data-parallel ranks on load, and back
+    "cp2_to_dp2": (two_epochs(context_parallel_size=2), two_epochs(batch_size=2, zero_stage=3)),
+    "dp2_to_cp2": (two_epochs(batch_size=2, zero_stage=3), two_epochs(context_parallel_size=2)),
     # optimizer state split by parameter on save, whole parameters split across 2 ranks on load
     "dp2_zero1_to_tp2": (two_epochs(batch_size=2, zero_stage=1), two_epochs(tensor_parallel_size=2, zero_stage=3)),
 }

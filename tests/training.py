@@ -385,7 +385,9 @@ class Case:
         """The single-process run that must produce the same numbers as this one on ``world_size`` ranks."""
         strategy = self.strategy or {}
         data_parallel_size = world_size // (
-            strategy.get("tensor_parallel_size", 1) * strategy.get("pipeline_parallel_size", 1)
+            strategy.get("tensor_parallel_size", 1)
+            * strategy.get("pipeline_parallel_size", 1)
+            * strategy.get("context_parallel_size", 1)
         )
         # Padded batches weigh by their tokens across an accumulation too: one step on all its batches at once.
         at_once = self.accumulate_grad_batches if self.data == "padded" else 1

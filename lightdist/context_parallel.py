@@ -1,0 +1,381 @@
+"""Context parallelism: each rank of a group holds 1/N of every sequence, and attention still sees the whole sequence.
+
+Attention's activations grow with the sequence, and tensor parallelism's sequence parallelism splits only the norms
+between blocks. Here every activation of a block is split along the sequence: N ranks each hold two of its 2N chunks,
+the i-th from the start and the i-th from the end, so that under the causal mask each has as much attention to compute
+(torchtitan's and Megatron's load balancing).
+
+Nothing in the user's step or model changes. While a step runs under ``ContextParallel.active``:
+
+- the batch's tensors stand for whole sequences (``SequenceShard``): slicing or padding them along the sequence, as a
+  step's own label shift does (``batch[:, 1:]``, Hugging Face's loss), acts on the whole sequence; any other use, the
+  model's embedding or the loss's ``view(-1)``, sees this rank's tokens;
+- positions are those of this rank's tokens: a ``torch.arange`` over the local length (nanoGPT, GPT-2, Hugging Face's
+  ``cache_position``) and a slice ``[:length]`` of one of the model's buffers (the rotary tables of LitGPT, torchtitan
+  and the reference Llama) give them;
+- ``F.scaled_dot_product_attention`` over the local length attends over the whole sequence, by ring (torch's ring
+  attention: key/value blocks passed around the group, partial results merged by their log-sum-exp) or by all-to-all
+  (DeepSpeed's Ulysses: heads scattered, the sequence gathered, any attention kernel).
+
+Each rank's loss is then the mean over its own tokens; data-parallel reduction over the data-parallel and
+context-parallel ranks together (FSDP shards over both, as torchtitan does) averages them into the batch's mean, and
+``TokenWeights`` weighs them where padding leaves ranks different numbers of labelled tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.overrides import TorchFunctionMode
+
+from lightdist.expert_parallel import all_to_all_rows
+from lightdist.loss_tokens import IGNORE_INDEX
+from lightdist.torch_internals import ring_attention_backward, ring_attention_forward, subclass_dispatch_disabled
+
+__all__ = [
+    "ContextParallel",
+    "ContextParallelMethod",
+    "SequenceShard",
+    "context_mesh",
+    "context_parallel_over",
+    "load_balanced_positions",
+]
+
+ContextParallelMethod = Literal["auto", "ring", "all_to_all"]
+CONTEXT_MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
+
+
+def context_mesh(mesh: DeviceMesh, cp: int) -> DeviceMesh:
+    """The ``("pp", "dp", "cp", "tp")`` mesh over the ranks of the ``("pp", "dp", "tp")`` ``mesh``, whose ``"dp"``
+    holds the data-parallel ranks and, next to each, its ``cp`` context-parallel peers (neighbouring ranks: after
+    tensor parallelism, the fastest links)."""
+    pp, dp, tp = mesh.mesh.shape
+    ranks = mesh.mesh.view(pp, dp // cp, cp, tp)
+    return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=CONTEXT_MESH_DIM_NAMES)
+
+
+def context_parallel_over(
+    mesh: DeviceMesh, cp: int, method: ContextParallelMethod, module: nn.Module
+) -> ContextParallel | None:
+    """Context parallelism of ``module`` over ``cp`` neighbouring ranks of the ``("pp", "dp", "tp")`` ``mesh``'s
+    ``"dp"``; ``None`` where ``cp`` is 1."""
+    return ContextParallel(context_mesh(mesh, cp)["cp"], method, module) if cp > 1 else None
+
+
+def load_balanced_positions(seq_len: int, size: int, rank: int, device: torch.device | None = None) -> Tensor:
+    """The positions of a ``seq_len`` sequence that context-parallel ``rank`` of ``size`` holds: chunks ``rank`` and
+    ``2 * size - 1 - rank`` of ``2 * size``."""
+    if seq_len % (2 * size):
+        raise ValueError(
+            f"context_parallel_size={size} splits each sequence into {2 * size} chunks (two per rank, one from each "
+            f"end, so that every rank has as much causal attention to compute), but a sequence here has {seq_len} "
+            f"tokens, not a multiple of {2 * size}. Make the sequence length a multiple of {2 * size} (a collator's "
+            f"pad_to_multiple_of={2 * size})."
+        )
+    chunks = torch.arange(seq_len, device=device).view(2 * size, -1)
+    return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]])
+
+
+class ContextParallel:
+    """Splits every sequence of ``module``'s steps over the ``mesh``'s ranks and attends over the whole of it.
+
+    Args:
+        mesh: The context-parallel ranks (``context_mesh(...)["cp"]``).
+        method: ``"ring"``, ``"all_to_all"``, or ``"auto"``: all-to-all where the heads divide among the ranks (it
+            moves each activation once, where the ring passes every key and value block around), else the ring.
+        module: The model whose buffers may hold tables indexed by position.
+    """
+
+    def __init__(self, mesh: DeviceMesh, method: ContextParallelMethod, module: nn.Module) -> None:
+        self.group, self.size, self.rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+        self.method, self.module = method, module
+        self.local_lengths: set[int] = set()  # of the sequences split in this step
+        self.attended = False
+
+    def positions(self, local_len: int, device: torch.device | None = None) -> Tensor:
+        """The positions in the whole sequence of this rank's ``local_len`` tokens."""
+        return load_balanced_positions(local_len * self.size, self.size, self.rank, device)
+
+    def local(self, whole: Tensor) -> Tensor:
+        """This rank's tokens of ``whole`` (batch, sequence, ...)."""
+        positions = load_balanced_positions(whole.size(1), self.size, self.rank, whole.device)
+        self.local_lengths.add(len(positions))
+        return whole.index_select(1, positions)
+
+    def local_shape(self, whole: Tensor) -> torch.Size:
+        """The shape of ``local(whole)``, which code that sizes its positions by reads first."""
+        local_len = len(load_balanced_positions(whole.size(1), self.size, self.rank))
+        self.local_lengths.add(local_len)
+        return torch.Size((whole.size(0), local_len, *whole.shape[2:]))
+
+    def shard_batch(self, batch: Any) -> Any:
+        """``batch`` with each tensor of two or more dimensions standing for its whole sequences (``SequenceShard``).
+
+        A Hugging Face collator's batch (``input_ids``, ``labels``, ``attention_mask``) is first padded on the right
+        to a length that splits (unlabelled padding changes no loss), and its ``attention_mask`` dropped where
+        attending causally is the same.
+        """
+        self.local_lengths.clear()
+        self.attended = False
+        if isinstance(batch, Mapping) and isinstance(batch.get("labels"), Tensor):
+            batch = type(batch)(self._padded_to_split(batch))
+        return apply_to_collection(batch, Tensor, lambda t: SequenceShard(t, self) if t.dim() >= 2 else t)
+
+    def _padded_to_split(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        mask = batch.get("attention_mask")
+        if isinstance(mask, Tensor):
+            _check_right_padded(mask, batch["labels"])
+        seq_len = batch["labels"].size(-1)
+        missing = -seq_len % (2 * self.size)
+        fill = {"labels": IGNORE_INDEX, "attention_mask": 0}
+        padded = {
+            key: F.pad(value, (0, missing), value=fill.get(key, 0))
+            if isinstance(value, Tensor) and value.dim() == 2 and value.size(-1) == seq_len and missing
+            else value
+            for key, value in batch.items()
+        }
+        return {**padded, "attention_mask": None} if isinstance(mask, Tensor) else padded
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Positions and attention of the split sequences, while a step or its backward (which may recompute) runs;
+        a step whose model took its share of the sequence but attended by hand is refused once it returns."""
+        with _ContextParallelMode(self):
+            yield
+        if self.local_lengths and not self.attended:
+            raise ValueError(
+                f"context_parallel_size={self.size}: the model took this rank's share of each sequence but computed "
+                "no torch.nn.functional.scaled_dot_product_attention over it, so its attention (written by hand, or "
+                "a kernel lightdist cannot see into) would attend within each rank's share only. Load Hugging Face "
+                "models with attn_implementation='sdpa'; in your own attention, call "
+                "F.scaled_dot_product_attention(q, k, v, is_causal=True)."
+            )
+
+    def attention(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_mask: Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> Tensor:
+        """Causal attention of this rank's queries (batch, heads, local length, head dim) over the whole sequence."""
+        if attn_mask is not None or not is_causal:
+            raise ValueError(
+                f"context_parallel_size={self.size} splits causal attention, but the model called "
+                f"scaled_dot_product_attention with {'a mask' if attn_mask is not None else 'is_causal=False'}: a "
+                "mask of its own (left padding, packed documents, sliding windows) or attention without one cannot "
+                "be split by position. Pad on the right (tokenizer.padding_side = 'right') and leave the mask to "
+                "is_causal=True, or train with context_parallel_size=1."
+            )
+        if dropout_p:
+            raise ValueError(
+                f"context_parallel_size={self.size} does not split attention dropout (dropout_p={dropout_p}): each "
+                "rank would drop its own part of every row. Set the model's attention dropout to 0."
+            )
+        self.attended = True
+        heads, kv_heads = query.size(1), key.size(1)
+        if kv_heads != heads and (enable_gqa or self._method(heads, kv_heads) == "ring"):
+            key, value = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (key, value))
+        if self._method(heads, key.size(1)) == "ring":
+            return _RingAttention.apply(query, key, value, self.group, scale)
+        return self._all_to_all_attention(query, key, value, scale)
+
+    def _method(self, heads: int, kv_heads: int) -> str:
+        divisible = heads % self.size == 0 and kv_heads % self.size == 0
+        if self.method == "all_to_all" and not divisible:
+            raise ValueError(
+                f"context_parallel_method='all_to_all' deals the heads out over the context-parallel ranks, but "
+                f"{heads} query and {kv_heads} key/value heads (per tensor-parallel rank) do not divide by "
+                f"context_parallel_size={self.size}. Use context_parallel_method='ring' (or 'auto')."
+            )
+        return "all_to_all" if self.method == "all_to_all" or (self.method == "auto" and divisible) else "ring"
+
+    def _all_to_all_attention(self, query: Tensor, key: Tensor, value: Tensor, scale: float | None) -> Tensor:
+        """Ulysses: each rank attends over the whole sequence for its 1/N of the heads."""
+        local_len = query.size(2)
+        held = torch.cat([load_balanced_positions(local_len * self.size, self.size, r) for r in range(self.size)])
+        held = held.to(query.device)  # the whole sequence's positions, as the ranks' shares arrive
+        order = held.argsort()
+
+        def gather_sequence(t: Tensor) -> Tensor:  # (B, H, L, D) -> (B, H / N, N * L, D) in sequence order
+            batch, heads, _, dim = t.shape
+            parts = t.reshape(batch, self.size, heads // self.size, local_len, dim).transpose(0, 1)
+            arrived = all_to_all_rows(parts, [1] * self.size, [1] * self.size, self.group)
+            whole = arrived.permute(1, 2, 0, 3, 4).reshape(batch, heads // self.size, -1, dim)
+            return whole.index_select(2, order)
+
+        gqa = key.size(1) != query.size(1)
+        out = F.scaled_dot_product_attention(
+            *(gather_sequence(t) for t in (query, key, value)), is_causal=True, scale=scale, enable_gqa=gqa
+        )
+        batch, heads_here, _, dim = out.shape
+        parts = out.index_select(2, held).view(batch, heads_here, self.size, local_len, dim).permute(2, 0, 1, 3, 4)
+        returned = all_to_all_rows(parts, [1] * self.size, [1] * self.size, self.group)
+        return returned.transpose(0, 1).reshape(batch, heads_here * self.size, local_len, dim)
+
+
+def _check_right_padded(attention_mask: Tensor, labels: Any) -> None:
+    """Under a causal mask a token never sees the padding after it, so a mask that only pads on the right changes
+    nothing that is labelled: the whole sequence can be attended causally, by any split."""
+    kept = attention_mask.bool()
+    if (kept[:, 1:] & ~kept[:, :-1]).any():
+        raise ValueError(
+            "Context parallelism attends causally over whole sequences, which is exact where the attention_mask only "
+            "pads on the right, but this batch's mask pads on the left or masks inside a sequence. Pad on the right "
+            "(tokenizer.padding_side = 'right'), or train with context_parallel_size=1."
+        )
+    if isinstance(labels, Tensor) and labels.shape == kept.shape and (labels[~kept] != IGNORE_INDEX).any():
+        raise ValueError(
+            "Context parallelism drops the attention_mask, which is exact where padding is not labelled, but this "
+            f"batch labels padding tokens. Label padding {IGNORE_INDEX} (DataCollatorForLanguageModeling does), or "
+            "train with context_parallel_size=1."
+        )
+
+
+# Ops that keep the batch and sequence dimensions as they are: on a SequenceShard, they act on the whole sequence.
+_ELEMENTWISE = {
+    Tensor.to, Tensor.long, Tensor.int, Tensor.bool, Tensor.contiguous, Tensor.clone, Tensor.detach, Tensor.cpu,
+    Tensor.cuda, Tensor.ne, Tensor.eq, Tensor.__ne__, Tensor.__eq__, Tensor.__and__, Tensor.__or__,
+    Tensor.__invert__, Tensor.logical_not, Tensor.masked_fill, Tensor.masked_fill_, Tensor.__setitem__,
+    Tensor.clamp, torch.where, torch.clone,
+}  # fmt: skip
+
+
+class SequenceShard(Tensor):
+    """A batch tensor of whole sequences (batch, sequence, ...) that stands for this rank's share of them.
+
+    Its data is the whole: slicing or padding it along the sequence, and elementwise ops, act on the whole sequence,
+    which makes a step's label shift (``batch[:, 1:]``) the whole sequence's; any other op, and its shape, see this
+    rank's tokens, which is what the model and the loss take.
+    """
+
+    cp: ContextParallel
+
+    @staticmethod
+    def __new__(cls, whole: Tensor, cp: ContextParallel) -> SequenceShard:
+        shard = whole.as_subclass(cls)
+        shard.cp = cp
+        return shard
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        shards = [t for t in _tensors_in((args, kwargs)) if isinstance(t, SequenceShard)]
+        cp = shards[0].cp
+        with subclass_dispatch_disabled():
+            if func in (Tensor.size, Tensor.shape.__get__):
+                shape = cp.local_shape(args[0].as_subclass(Tensor))
+                dim = args[1] if len(args) > 1 else kwargs.get("dim")
+                return shape if func is Tensor.shape.__get__ or dim is None else shape[dim]
+            if getattr(func, "__name__", "") == "__get__" or _acts_on_whole(func, args, kwargs, shards):
+                out = func(*_unwrap(args, whole=True), **_unwrap(kwargs, whole=True))
+                return apply_to_collection(out, Tensor, lambda t: SequenceShard(t, cp) if t.dim() >= 2 else t)
+            return func(*_unwrap(args, whole=False), **_unwrap(kwargs, whole=False))
+
+
+def _acts_on_whole(func: Any, args: tuple, kwargs: dict, shards: list[SequenceShard]) -> bool:
+    tensors = _tensors_in((args, kwargs))
+    if any(not isinstance(t, SequenceShard) and t.dim() > 0 for t in tensors):
+        return False  # met with a tensor of the rank's own (the model's logits): take the rank's share
+    if func is Tensor.__getitem__:
+        return _slices_batch_and_sequence(args[1], args[0].dim())
+    if func is F.pad:
+        return args[0].dim() == 2 and len(args[1]) == 2  # pads the sequence, the last dimension
+    return func in _ELEMENTWISE and all(s.dim() == shards[0].dim() for s in shards)
+
+
+def _slices_batch_and_sequence(index: Any, dims: int) -> bool:
+    """Whether ``index`` takes every example and a slice of the sequence, leaving any other dimension whole."""
+    index = index if isinstance(index, tuple) else (index,)
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (dims - len(index) + 1) + index[at + 1 :]
+    whole = slice(None)
+    return len(index) >= 2 and index[0] == whole and isinstance(index[1], slice) and all(i == whole for i in index[2:])
+
+
+def _tensors_in(collection: Any) -> list[Tensor]:
+    found: list[Tensor] = []
+    apply_to_collection(collection, Tensor, found.append)
+    return found
+
+
+def _unwrap(tree: Any, whole: bool) -> Any:
+    def unwrap(value: Any) -> Any:
+        if not isinstance(value, SequenceShard):
+            return value
+        tensor = value.as_subclass(Tensor)
+        return tensor if whole else value.cp.local(tensor)
+
+    return apply_to_collection(tree, Tensor, unwrap)
+
+
+class _ContextParallelMode(TorchFunctionMode):
+    """Gives the split sequences' positions and attention to whatever model code runs under it."""
+
+    def __init__(self, cp: ContextParallel) -> None:
+        super().__init__()
+        self.cp = cp
+        self.buffers = {id(buffer) for buffer in cp.module.buffers()}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.cp.local_lengths:
+            if func is F.scaled_dot_product_attention and args[0].size(-2) in self.cp.local_lengths:
+                return self.cp.attention(*args, **kwargs)
+            positions = None
+            if func is torch.arange:
+                positions = self._arange_positions(args, kwargs)
+            elif func is Tensor.__getitem__ and id(args[0]) in self.buffers:
+                positions = self._table_rows(args[0], args[1])
+            if positions is not None:
+                return positions
+        return func(*args, **kwargs)
+
+    def _arange_positions(self, args: tuple, kwargs: dict) -> Tensor | None:
+        """``torch.arange(start, start + local length)``: the positions of this rank's tokens, from ``start``."""
+        numbers = [int(a) if isinstance(a, Tensor) else a for a in args]
+        start, end, step = (0, numbers[0], 1) if len(numbers) == 1 else (*numbers[:2], *(numbers[2:] or [1]))
+        if kwargs.get("step", step) != 1 or not all(isinstance(n, int) for n in (start, end)):
+            return None
+        if end - start not in self.cp.local_lengths:
+            return None
+        return (self.cp.positions(end - start, kwargs.get("device")) + start).to(kwargs.get("dtype") or torch.int64)
+
+    def _table_rows(self, table: Tensor, index: Any) -> Tensor | None:
+        """``table[:local length]`` of a buffer with a row per position (a rotary table): this rank's tokens' rows."""
+        if not isinstance(index, slice) or index.start not in (None, 0) or index.step not in (None, 1):
+            return None
+        if index.stop not in self.cp.local_lengths or table.size(0) < index.stop * self.cp.size:
+            return None
+        return table.index_select(0, self.cp.positions(index.stop, table.device))
+
+
+class _RingAttention(torch.autograd.Function):
+    """torch's ring attention on this rank's two chunks: key/value blocks passed around the group, each block's
+    attention merged by its log-sum-exp; backward passes the key/value gradients around the same ring."""
+
+    @staticmethod
+    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, group: dist.ProcessGroup, scale: float | None):
+        out, logsumexp, kernel_state = ring_attention_forward(group, query, key, value, scale)
+        ctx.save_for_backward(query, key, value, out, logsumexp)
+        ctx.group, ctx.scale, ctx.kernel_state = group, scale, kernel_state
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        query, key, value, out, logsumexp = ctx.saved_tensors
+        grads = ring_attention_backward(ctx.group, grad, query, key, value, out, logsumexp, ctx.kernel_state, ctx.scale)
+        return *grads, None, None

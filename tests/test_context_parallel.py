@@ -1,0 +1,176 @@
+"""Context parallelism used directly, as a plain training loop would: a model's step on half of every sequence per
+rank must compute what one process computes on the whole, and what cannot be split is refused by name.
+
+The Trainer's runs (``ParallelStrategy(context_parallel_size=...)``) are compared with one process in
+``tests/test_equivalence.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import transformers
+from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from lightdist.context_parallel import ContextParallel, load_balanced_positions
+from lightdist.loss_tokens import labelled_tokens
+from lightdist.models import Llama
+
+from multirank import raised, run_ranks
+
+pytestmark = pytest.mark.multirank
+
+
+def hf_llama(attn_implementation: str = "sdpa", heads: int = 4, kv_heads: int = 2) -> nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=48 if heads == 3 else 64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+    )
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def labels_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """A fine-tuning step's loss: the collator's batch into the model, which shifts the labels itself."""
+    return model(**batch).loss
+
+
+def one_process_and_split(model: nn.Module, batch, loss_of, cp: ContextParallel) -> dict[str, float]:
+    """The loss and gradients of ``model`` on ``batch`` in one process, and with each sequence split over the ranks:
+    the largest differences, relative to the one-process values."""
+    whole = loss_of(model, batch)
+    whole.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    with cp.active():
+        shards = cp.shard_batch(batch)
+        loss = loss_of(model, shards)
+        # Each rank's loss is the mean over its own labelled tokens, which padding makes unequal: weigh it by them.
+        tokens = labelled_tokens(model, shards) if isinstance(shards, dict) else torch.tensor(1)
+        share = tokens / _summed(tokens.clone())
+    with cp.active():  # backward under it too: activation checkpointing recomputes attention there
+        (loss * share).backward()
+    gradient_gap = 0.0
+    for name, parameter in model.named_parameters():
+        scale = expected[name].abs().max().clamp(min=1e-12)
+        gap = (_summed(parameter.grad) - expected[name]).abs().max() / scale
+        gradient_gap = max(gradient_gap, gap.item())
+    model.zero_grad()
+    return {"loss": abs(_summed(loss.detach() * share).item() - whole.item()) / whole.item(), "gradients": gradient_gap}
+
+
+def _summed(tensor: Tensor) -> Tensor:
+    dist.all_reduce(tensor)
+    return tensor
+
+
+def saved_activation_bytes(model: nn.Module, tokens: Tensor, cp: ContextParallel | None) -> int:
+    """Bytes the forward keeps for backward besides the weights: the activations, which grow with the sequence."""
+    weights = {parameter.data_ptr() for parameter in model.parameters()}
+    saved = 0
+
+    def keep(tensor: Tensor) -> Tensor:
+        nonlocal saved
+        if tensor.data_ptr() not in weights:
+            saved += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        if cp is None:
+            model(tokens)
+        else:
+            with cp.active():
+                model(cp.shard_batch(tokens))
+    return saved
+
+
+def context_parallel_in_a_plain_loop() -> dict:
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))["cp"]
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 64, (2, 64), generator=generator)
+    # A collator's batch: documents of different lengths padded on the right (38 tokens: padded to 40 to split),
+    # padding masked and labelled -100
+    lengths = torch.tensor([38, 21])
+    kept = torch.arange(38)[None] < lengths[:, None]
+    collated = {
+        "input_ids": tokens[:, :38].masked_fill(~kept, 0),
+        "attention_mask": kept.long(),
+        "labels": tokens[:, :38].masked_fill(~kept, -100),
+    }
+    results = {}
+    for method in ("ring", "all_to_all"):
+        model = hf_llama()
+        cp = ContextParallel(mesh, method, model)
+        results[f"hf_llama_{method}"] = one_process_and_split(model, collated, labels_loss, cp)
+    # The reference Llama, whose step shifts the labels: batch[:, :-1] in, batch[:, 1:] as targets, 65 tokens
+    torch.manual_seed(0)
+    llama = Llama("tiny").model
+
+    def shifted_loss(model: nn.Module, batch: Tensor) -> Tensor:
+        return F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+
+    windows = torch.randint(0, 64, (2, 65), generator=generator)
+    results["llama_ring"] = one_process_and_split(llama, windows, shifted_loss, ContextParallel(mesh, "ring", llama))
+
+    # Activation memory per rank: half of one process's, for a sequence twice as long as a rank holds
+    long = torch.randint(0, 64, (1, 64), generator=generator)
+    results["saved_ratio"] = saved_activation_bytes(
+        llama, long, ContextParallel(mesh, "auto", llama)
+    ) / saved_activation_bytes(llama, long, None)
+
+    def step_on(model: nn.Module, batch, method: str = "auto") -> Tensor:
+        cp = ContextParallel(mesh, method, model)
+        with cp.active():
+            return labels_loss(model, cp.shard_batch(batch))
+
+    left_padded = dict(collated, attention_mask=kept.flip(-1).long())
+    labelled_padding = dict(collated, labels=tokens[:, :38])
+    results["errors"] = {
+        "indivisible": raised(step_on, hf_llama(), {"input_ids": tokens[:, :30]}),
+        "left_padding": raised(step_on, hf_llama(), left_padded),
+        "labelled_padding": raised(step_on, hf_llama(), labelled_padding),
+        "eager_attention": raised(step_on, hf_llama("eager"), collated),
+        "heads_do_not_divide": raised(step_on, hf_llama(heads=3, kv_heads=3), collated, "all_to_all"),
+    }
+    return results
+
+
+@pytest.fixture(scope="module")
+def plain_loop() -> dict:
+    return run_ranks(2, context_parallel_in_a_plain_loop)[0]
+
+
+@pytest.mark.parametrize("name", ["hf_llama_ring", "hf_llama_all_to_all", "llama_ring"])
+def test_half_of_each_sequence_per_rank_computes_what_one_process_computes(plain_loop: dict, name: str) -> None:
+    assert plain_loop[name]["loss"] < 1e-5
+    assert plain_loop[name]["gradients"] < 1e-4
+
+
+def test_each_rank_keeps_half_the_activations(plain_loop: dict) -> None:
+    assert plain_loop["saved_ratio"] < 0.55
+
+
+def test_what_cannot_be_split_is_refused_with_the_way_out(plain_loop: dict) -> None:
+    errors = plain_loop["errors"]
+    assert "a sequence here has 30 tokens, not a multiple of 4" in errors["indivisible"]
+    assert "pad_to_multiple_of=4" in errors["indivisible"]
+    assert "pads on the left or masks inside a sequence. Pad on the right" in errors["left_padding"]
+    assert "labels padding tokens. Label padding -100" in errors["labelled_padding"]
+    assert "computed no torch.nn.functional.scaled_dot_product_attention" in errors["eager_attention"]
+    assert "attn_implementation='sdpa'" in errors["eager_attention"]
+    assert "3 query and 3 key/value heads (per tensor-parallel rank) do not divide" in errors["heads_do_not_divide"]
+
+
+def test_each_rank_holds_a_chunk_from_each_end() -> None:
+    assert load_balanced_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert load_balanced_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert sorted(torch.cat([load_balanced_positions(16, 4, r) for r in range(4)]).tolist()) == list(range(16))
