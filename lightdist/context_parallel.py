@@ -111,10 +111,14 @@ class ContextParallel:
         return whole.index_select(1, positions)
 
     def local_shape(self, whole: Tensor) -> torch.Size:
-        """The shape of ``local(whole)``, which code that sizes its positions by reads first."""
-        local_len = len(load_balanced_positions(whole.size(1), self.size, self.rank))
-        self.local_lengths.add(local_len)
-        return torch.Size((whole.size(0), local_len, *whole.shape[2:]))
+        """The shape of ``local(whole)``, which code that sizes its positions by reads first; the whole shape where
+        the sequence does not split (a window of T + 1 tokens whose first T the model takes), whose batch size is
+        what code reads from it."""
+        seq_len = whole.size(1)
+        if seq_len % (2 * self.size):
+            return whole.shape
+        self.local_lengths.add(seq_len // self.size)
+        return torch.Size((whole.size(0), seq_len // self.size, *whole.shape[2:]))
 
     def shard_batch(self, batch: Any) -> Any:
         """``batch`` with each tensor of two or more dimensions standing for its whole sequences (``SequenceShard``).
@@ -251,6 +255,8 @@ _ELEMENTWISE = {
     Tensor.__invert__, Tensor.logical_not, Tensor.masked_fill, Tensor.masked_fill_, Tensor.__setitem__,
     Tensor.clamp, torch.where, torch.clone,
 }  # fmt: skip
+# What a tensor is, not what it holds: the same for the whole and the rank's share, read from the whole.
+_METADATA = {Tensor.dim, Tensor.is_floating_point, Tensor.element_size, Tensor.is_contiguous, Tensor.get_device}
 
 
 class SequenceShard(Tensor):
@@ -279,7 +285,11 @@ class SequenceShard(Tensor):
                 shape = cp.local_shape(args[0].as_subclass(Tensor))
                 dim = args[1] if len(args) > 1 else kwargs.get("dim")
                 return shape if func is Tensor.shape.__get__ or dim is None else shape[dim]
-            if getattr(func, "__name__", "") == "__get__" or _acts_on_whole(func, args, kwargs, shards):
+            if (
+                func in _METADATA
+                or getattr(func, "__name__", "") == "__get__"
+                or _acts_on_whole(func, args, kwargs, shards)
+            ):
                 out = func(*_unwrap(args, whole=True), **_unwrap(kwargs, whole=True))
                 return apply_to_collection(out, Tensor, lambda t: SequenceShard(t, cp) if t.dim() >= 2 else t)
             return func(*_unwrap(args, whole=False), **_unwrap(kwargs, whole=False))
@@ -297,13 +307,15 @@ def _acts_on_whole(func: Any, args: tuple, kwargs: dict, shards: list[SequenceSh
 
 
 def _slices_batch_and_sequence(index: Any, dims: int) -> bool:
-    """Whether ``index`` takes every example and a slice of the sequence, leaving any other dimension whole."""
+    """Whether ``index`` takes a slice of the examples (a pipeline's microbatch) and of the sequence, leaving any
+    other dimension whole."""
     index = index if isinstance(index, tuple) else (index,)
     if Ellipsis in index:
         at = index.index(Ellipsis)
         index = index[:at] + (slice(None),) * (dims - len(index) + 1) + index[at + 1 :]
     whole = slice(None)
-    return len(index) >= 2 and index[0] == whole and isinstance(index[1], slice) and all(i == whole for i in index[2:])
+    batch_and_sequence = all(isinstance(i, slice) for i in index[:2])
+    return bool(index) and batch_and_sequence and all(i == whole for i in index[2:])
 
 
 def _tensors_in(collection: Any) -> list[Tensor]:

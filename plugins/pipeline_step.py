@@ -363,6 +363,7 @@ class PipelineStep:
             self.setting_up_stages = False
 
     def _check_sequence_shards(self, call: ModelCall) -> None:
+        # Run on every stage: sizing the model call's inputs also tells context parallelism each stage's share.
         lengths: set[int] = set()
         apply_to_collection(call, Tensor, lambda tensor: lengths.add(tensor.shape[1]) if tensor.dim() > 1 else None)
         if uneven := sorted(length for length in lengths if length % self.sequence_shards):

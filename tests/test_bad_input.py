@@ -71,8 +71,8 @@ def test_under_torchrun_the_error_names_the_launchers_world_size(monkeypatch: py
         (dict(context_parallel_size=0), r"context_parallel_size=0 must be a positive integer\.$"),
         (dict(context_parallel_method="ulysses"), r"context_parallel_method='ulysses' is not one of 'auto', 'ring'"),
         (
-            dict(context_parallel_size=2, pipeline_parallel_size=2),
-            r"context_parallel_size=2 with pipeline_parallel_size=2 is not supported yet",
+            dict(context_parallel_size=2, pipeline_parallel_size=2, pipeline_tracer=True),
+            r"context_parallel_size=2 with pipeline_tracer=True is not supported yet",
         ),
         (dict(context_parallel_size=2, compile=True), r"context_parallel_size=2 with compile=True is not supported"),
         (

@@ -223,6 +223,13 @@ CASES = {
         "zoo_hf_qwen2_logits_cp4": Case(strategy=dict(context_parallel_size=4), model="zoo_hf_qwen2_logits"),
         "cp2_dp2_zero3_clip": Case(strategy=dict(CP2, zero_stage=3), gradient_clip_val=0.1),
         "cp2_tp2": Case(strategy=dict(CP2, **TP2_NO_SP)),
+        # each stage's share of each microbatch's sequences: positions from its own inputs' length on every stage
+        "pp2_cp2": Case(strategy=dict(PP2, **CP2)),
+        "zoo_hf_llama_labels_pp2_cp2_4_microbatches": Case(
+            strategy=dict(PP2, **CP2, microbatches=4), model="zoo_hf_llama_labels", seq_len=31
+        ),
+        "zoo_nanogpt_pp2_cp2_ring": Case(strategy=dict(PP2, **CP2_RING), model="zoo_nanogpt"),
+        "zoo_litgpt_pp2_cp2": Case(strategy=dict(PP2, **CP2), model="zoo_litgpt"),
         # experts split over 2 of the 4 ranks that reduce gradients (dp2 x cp2), tokens of half-sequences routed
         "moe_cp2_ep2": Case(strategy=dict(CP2, expert_parallel_size=2), model="moe_lm_only"),
         # Collator batches: the attention mask dropped (padding on the right, unlabelled), ranks holding different
@@ -313,6 +320,7 @@ CASES = {
     },
     8: {  # 3D: pp=2 x dp=2 x tp=2
         "cp2_dp2_tp2_zero3": Case(strategy=dict(CP2, **TP2_NO_SP, zero_stage=3)),
+        "pp2_cp2_tp2": Case(strategy=dict(PP2, **CP2, **TP2_NO_SP)),
         "3d_clip": Case(strategy=dict(PP2, **TP2), gradient_clip_val=0.1, validate=True),
         "3d_gpt2_interleaved_fused_qkv_tied_clip": Case(
             strategy=dict(PP2, **TP2, pipeline_schedule="interleaved_1f1b", microbatches=4),
