@@ -46,12 +46,11 @@ def validate_options(
             f"non_finite={non_finite!r} is not one of 'skip' (leave the weights as they were), 'rollback' (load the "
             "newest checkpoint), 'stop' (raise, naming the step) or None (check nothing)."
         )
-    if sizes.cp > 1 and (config.pipeline_tracer or config.compile):
-        clash = "pipeline_tracer=True" if config.pipeline_tracer else "compile=True"
+    if sizes.cp > 1 and config.pipeline_tracer:
         raise ValueError(
-            f"context_parallel_size={sizes.cp} with {clash} is not supported yet: lightdist splits sequences under "
-            "data, tensor, pipeline (stages cut by structure) and expert parallelism. Use context_parallel_size=1 "
-            "or drop the other option."
+            f"context_parallel_size={sizes.cp} with pipeline_tracer=True is not supported yet: the tracer fixes each "
+            "stage's shapes from whole sequences. Cut stages by structure (pipeline_tracer=False), or use "
+            "context_parallel_size=1."
         )
     if sizes.cp > 1 and sizes.tp != 1 and config.sequence_parallel:
         raise ValueError(

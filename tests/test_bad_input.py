@@ -74,7 +74,6 @@ def test_under_torchrun_the_error_names_the_launchers_world_size(monkeypatch: py
             dict(context_parallel_size=2, pipeline_parallel_size=2, pipeline_tracer=True),
             r"context_parallel_size=2 with pipeline_tracer=True is not supported yet",
         ),
-        (dict(context_parallel_size=2, compile=True), r"context_parallel_size=2 with compile=True is not supported"),
         (
             dict(context_parallel_size=2, tensor_parallel_size=2),
             r"context_parallel_size=2 with tensor_parallel_size=2 needs sequence_parallel=False",

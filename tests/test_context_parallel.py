@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from lightdist.context_parallel import ContextParallel, load_balanced_positions
 from lightdist.loss_tokens import labelled_tokens
 from lightdist.models import Llama
+from lightdist.planner import Cluster, Layout, ModelShape, Training, estimate
 
 from multirank import raised, run_ranks
 
@@ -155,8 +156,13 @@ def test_half_of_each_sequence_per_rank_computes_what_one_process_computes(plain
     assert plain_loop[name]["gradients"] < 1e-4
 
 
-def test_each_rank_keeps_half_the_activations(plain_loop: dict) -> None:
-    assert plain_loop["saved_ratio"] < 0.55
+def test_each_rank_keeps_half_the_activations_as_the_planner_estimates(plain_loop: dict) -> None:
+    with torch.device("meta"):
+        shape = ModelShape(Llama("tiny"))
+    training, cluster = Training(seq_len=64, global_batch=1, precision="32-true"), Cluster(gpus=2)
+    whole, split = (estimate(shape, Layout(1, 1, 1, cp=cp), training, cluster).activations for cp in (1, 2))
+    assert split / whole == 0.5
+    assert plain_loop["saved_ratio"] == pytest.approx(split / whole, abs=0.05)
 
 
 def test_what_cannot_be_split_is_refused_with_the_way_out(plain_loop: dict) -> None:

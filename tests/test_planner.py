@@ -204,7 +204,6 @@ MEMORY_LAYOUTS = {  # on 4 CPU ranks, fp32
     "pp2_tp2_loss_parallel": dict(pipeline_parallel_size=2, tensor_parallel_size=2, microbatches=4, loss_parallel=True),
     "pp2_dp2_zero2": dict(pipeline_parallel_size=2, zero_stage=2, microbatches=4),
     "dp4_zero3_full_checkpointing": dict(zero_stage=3, activation_checkpointing="full"),
-    "dp2_cp2_zero3": dict(context_parallel_size=2, zero_stage=3),
 }
 
 
@@ -244,8 +243,7 @@ def test_memory_estimate_is_within_15_percent_of_what_cpu_ranks_use(monkeypatch:
         shape = ModelShape(Llama("small", config=SMALL_4_LAYERS))
     for (name, options), per_rank in zip(MEMORY_LAYOUTS.items(), zip(*measured, strict=True), strict=True):
         pp, tp = options.get("pipeline_parallel_size", 1), options.get("tensor_parallel_size", 1)
-        cp = options.get("context_parallel_size", 1)
-        dp, microbatches = 4 // (pp * tp * cp), options.get("microbatches", 1)
+        dp, microbatches = 4 // (pp * tp), options.get("microbatches", 1)
         layout = Layout(
             pp,
             dp,
@@ -254,7 +252,6 @@ def test_memory_estimate_is_within_15_percent_of_what_cpu_ranks_use(monkeypatch:
             options.get("activation_checkpointing"),
             microbatches,
             options.get("loss_parallel", False),
-            cp=cp,
         )
         training = Training(SEQ_LEN, BATCH * dp, BATCH // microbatches, precision="32-true")
         planned = estimate(shape, layout, training, Cluster(4, memory_gib=64)).total
