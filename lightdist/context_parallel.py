@@ -250,10 +250,11 @@ def _check_right_padded(attention_mask: Tensor, labels: Any) -> None:
 
 # Ops that keep the batch and sequence dimensions as they are: on a SequenceShard, they act on the whole sequence.
 _ELEMENTWISE = {
-    Tensor.to, Tensor.long, Tensor.int, Tensor.bool, Tensor.contiguous, Tensor.clone, Tensor.detach, Tensor.cpu,
-    Tensor.cuda, Tensor.ne, Tensor.eq, Tensor.__ne__, Tensor.__eq__, Tensor.__and__, Tensor.__or__,
-    Tensor.__invert__, Tensor.logical_not, Tensor.masked_fill, Tensor.masked_fill_, Tensor.__setitem__,
-    Tensor.clamp, torch.where, torch.clone,
+    Tensor.to, Tensor.long, Tensor.int, Tensor.bool, Tensor.float, Tensor.type, Tensor.contiguous, Tensor.clone,
+    Tensor.detach, Tensor.cpu, Tensor.cuda, Tensor.ne, Tensor.eq, Tensor.ge, Tensor.gt, Tensor.le, Tensor.lt,
+    Tensor.__ne__, Tensor.__eq__, Tensor.__ge__, Tensor.__gt__, Tensor.__le__, Tensor.__lt__, Tensor.__and__,
+    Tensor.__or__, Tensor.__invert__, Tensor.logical_not, Tensor.masked_fill, Tensor.masked_fill_, Tensor.__setitem__,
+    Tensor.clamp, Tensor.roll, torch.roll, torch.where, torch.clone,
 }  # fmt: skip
 # What a tensor is, not what it holds: the same for the whole and the rank's share, read from the whole.
 _METADATA = {Tensor.dim, Tensor.is_floating_point, Tensor.element_size, Tensor.is_contiguous, Tensor.get_device}
@@ -262,9 +263,10 @@ _METADATA = {Tensor.dim, Tensor.is_floating_point, Tensor.element_size, Tensor.i
 class SequenceShard(Tensor):
     """A batch tensor of whole sequences (batch, sequence, ...) that stands for this rank's share of them.
 
-    Its data is the whole: slicing or padding it along the sequence, and elementwise ops, act on the whole sequence,
-    which makes a step's label shift (``batch[:, 1:]``) the whole sequence's; any other op, and its shape, see this
-    rank's tokens, which is what the model and the loss take.
+    Its data is the whole: slicing or padding it along the sequence, ``torch.roll``, and elementwise ops (casts,
+    comparisons, masks, ``where``) act on the whole sequence, which makes a step's label shift (``batch[:, 1:]``)
+    the whole sequence's; any other op, and its shape, see this rank's tokens, which is what the model and the loss
+    take.
     """
 
     cp: ContextParallel

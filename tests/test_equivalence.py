@@ -56,8 +56,7 @@ CASES = {
         "zoo_nanogpt_cp2_ring": Case(strategy=CP2_RING, model="zoo_nanogpt"),
         "zoo_litgpt_cp2": Case(strategy=CP2, model="zoo_litgpt"),
         "gpt2_cp2_clip": Case(strategy=CP2, model="gpt2_no_bias", gradient_clip_val=0.1),
-        # each block compiled, its attention handed to the ring or the all-to-all as it runs
-        "cp2_compiled": Case(strategy=dict(CP2, compile=True)),
+        # each block compiled, its attention handed to the ring as it runs
         "zoo_hf_llama_labels_cp2_ring_compiled": Case(
             strategy=dict(CP2_RING, compile=True), model="zoo_hf_llama_labels", seq_len=31
         ),
