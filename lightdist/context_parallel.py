@@ -190,9 +190,13 @@ class ContextParallel:
             )
         self.attended = True
         heads, kv_heads = query.size(1), key.size(1)
-        if kv_heads != heads and (enable_gqa or self._method(heads, kv_heads) == "ring"):
+        # Grouped-query attention: the ring, and an all-to-all whose key/value heads do not divide among the ranks, take
+        # them repeated to the query heads' count; where they divide, the all-to-all deals them out as they are.
+        dealt_whole = kv_heads % self.size == 0
+        method = self._method(heads, kv_heads if dealt_whole else heads)
+        if kv_heads != heads and (method == "ring" or not dealt_whole):
             key, value = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (key, value))
-        if self._method(heads, key.size(1)) == "ring":
+        if method == "ring":
             return _RingAttention.apply(query, key, value, self.group, scale)
         return self._all_to_all_attention(query, key, value, scale)
 
