@@ -103,9 +103,9 @@ def _relay_to(storage: FaultyStorage) -> type[BaseHTTPRequestHandler]:
                     for name, value in response.getheaders()
                     if name.lower() not in ("transfer-encoding", "connection", "content-length")
                 }
-                self.answer(response.status, passed, data, length=response.getheader("Content-Length"))
-                with storage._lock:
+                with storage._lock:  # counted before the client has the bytes, so a count read after a read is whole
                     storage.served += len(data)
+                self.answer(response.status, passed, data, length=response.getheader("Content-Length"))
             finally:
                 upstream.close()
 
