@@ -10,6 +10,10 @@ Nothing in the user's step or model changes. While a step runs under ``ContextPa
 - the batch's tensors stand for whole sequences (``SequenceShard``): slicing or padding them along the sequence, as a
   step's own label shift does (``batch[:, 1:]``, Hugging Face's loss), acts on the whole sequence; any other use, the
   model's embedding or the loss's ``view(-1)``, sees this rank's tokens;
+- a shift by one of a sequence that splits keeps its length, so that it still splits: ``labels[..., 1:]`` ends in -100
+  and ``tokens[:, :-1]`` keeps its last token, whose prediction that -100 leaves out; the model's logits, split
+  already, keep theirs under ``logits[..., :-1, :]``. The ranks' losses, no longer over as many tokens, are weighed by
+  the tokens their cross-entropy labels (``loss_tokens``);
 - positions are those of this rank's tokens: a ``torch.arange`` over the local length (nanoGPT, GPT-2, Hugging Face's
   ``cache_position``) and a slice ``[:length]`` of one of the model's buffers (the rotary tables of LitGPT, torchtitan
   and the reference Llama) give them;
@@ -67,7 +71,9 @@ def context_parallel_over(
 ) -> ContextParallel | None:
     """Context parallelism of ``module`` over ``cp`` neighbouring ranks of the ``("pp", "dp", "tp")`` ``mesh``'s
     ``"dp"``; ``None`` where ``cp`` is 1."""
-    return ContextParallel(context_mesh(mesh, cp)["cp"], method, module) if cp > 1 else None
+    if cp == 1:
+        return None
+    return ContextParallel(context_mesh(mesh, cp)["cp"], method, module, pipelined=mesh["pp"].size() > 1)
 
 
 def load_balanced_positions(seq_len: int, size: int, rank: int, device: torch.device | None = None) -> Tensor:
@@ -92,13 +98,18 @@ class ContextParallel:
         method: ``"ring"``, ``"all_to_all"``, or ``"auto"``: all-to-all where the heads divide among the ranks (it
             moves each activation once, where the ring passes every key and value block around), else the ring.
         module: The model whose buffers may hold tables indexed by position.
+        pipelined: Whether ``module`` runs as pipeline stages, which count a microbatch's tokens before its loss.
     """
 
-    def __init__(self, mesh: DeviceMesh, method: ContextParallelMethod, module: nn.Module) -> None:
+    def __init__(
+        self, mesh: DeviceMesh, method: ContextParallelMethod, module: nn.Module, pipelined: bool = False
+    ) -> None:
         self.group, self.size, self.rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
-        self.method, self.module = method, module
+        self.method, self.module, self.pipelined = method, module, pipelined
         self.local_lengths: set[int] = set()  # of the sequences split in this step
         self.attended = False
+        self.shifted = False  # whether the step shifted a sequence that splits, which leaves ranks unequal tokens
+        self.loss_counts: list[Tensor] = []  # the labelled tokens of each mean cross-entropy of the step
 
     def positions(self, local_len: int, device: torch.device | None = None) -> Tensor:
         """The positions in the whole sequence of this rank's ``local_len`` tokens."""
@@ -128,7 +139,7 @@ class ContextParallel:
         attending causally is the same.
         """
         self.local_lengths.clear()
-        self.attended = False
+        self.attended, self.shifted, self.loss_counts = False, False, []
         if isinstance(batch, Mapping) and isinstance(batch.get("labels"), Tensor):
             batch = type(batch)(self._padded_to_split(batch))
         return apply_to_collection(batch, Tensor, lambda t: SequenceShard(t, self) if t.dim() >= 2 else t)
@@ -148,6 +159,33 @@ class ContextParallel:
         }
         return {**padded, "attention_mask": None} if isinstance(mask, Tensor) else padded
 
+    def loss_tokens(self) -> Tensor | None:
+        """The tokens this rank's loss averaged over in the step: those its one mean cross-entropy labelled; ``None``
+        where it took none or several. Weigh each rank's loss by them where ranks hold unequal numbers."""
+        return self.loss_counts[0] if len(self.loss_counts) == 1 else None
+
+    def shift_kept_whole(self, whole: Tensor, shifted: Tensor, index: tuple) -> Tensor:
+        """``shifted``, ``whole[index]`` one position shorter than ``whole``, at ``whole``'s length where that splits
+        (a split needs it): ``tokens[:, :-1]`` keeps its last token; ``labels[..., 1:]`` gets a last label of -100,
+        which leaves out the prediction from that kept token (the step's loss must leave out -100, as PyTorch's and
+        Hugging Face's do). Both are one process's pairs of a token and its successor."""
+        if whole.size(1) % (2 * self.size) or shifted.size(1) != whole.size(1) - 1:
+            return shifted
+        if self.pipelined:
+            raise ValueError(
+                f"context_parallel_size={self.size} under a pipeline: the step shifts a sequence of {whole.size(1)} "
+                f"tokens by one, which leaves the ranks' shares of it unequal, and a pipeline weighs its microbatches "
+                "before their loss is computed. Feed windows of one token more than the model takes (inputs "
+                "batch[:, :-1] and targets batch[:, 1:] of a length that splits), or call a Hugging Face model with "
+                "labels=."
+            )
+        self.shifted = True
+        sequence = index[1]
+        if sequence.start in (None, 0):  # the last token dropped: keep it
+            return whole[(index[0], slice(None), *index[2:])]
+        fill = 0 if shifted.is_floating_point() or shifted.dtype == torch.bool else IGNORE_INDEX
+        return torch.cat([shifted, torch.full_like(shifted[:, :1], fill)], dim=1)
+
     @contextmanager
     def active(self) -> Iterator[None]:
         """Positions and attention of the split sequences, while a step or its backward (which may recompute) runs;
@@ -161,6 +199,14 @@ class ContextParallel:
                 "a kernel lightdist cannot see into) would attend within each rank's share only. Load Hugging Face "
                 "models with attn_implementation='sdpa'; in your own attention, call "
                 "F.scaled_dot_product_attention(q, k, v, is_causal=True)."
+            )
+        if self.shifted and self.loss_tokens() is None:
+            raise ValueError(
+                f"context_parallel_size={self.size}: the step shifted a sequence by one, which leaves the ranks "
+                "unequal numbers of tokens, so each rank's loss is weighed by the tokens its cross-entropy labels, "
+                f"but this step computed {len(self.loss_counts)} mean F.cross_entropy losses, not one. Compute one, "
+                "or feed windows of one token more than the model takes (inputs batch[:, :-1] and targets "
+                "batch[:, 1:] of a length that splits)."
             )
 
     def attention(
@@ -297,7 +343,17 @@ class SequenceShard(Tensor):
                 or _acts_on_whole(func, args, kwargs, shards)
             ):
                 out = func(*_unwrap(args, whole=True), **_unwrap(kwargs, whole=True))
+                if func is Tensor.__getitem__:
+                    index = _expanded(args[1], args[0].dim())
+                    out = cp.shift_kept_whole(args[0].as_subclass(Tensor), out, index)
                 return apply_to_collection(out, Tensor, lambda t: SequenceShard(t, cp) if t.dim() >= 2 else t)
+            if _joins_sequences(func, args, kwargs):
+                raise ValueError(
+                    f"context_parallel_size={cp.size}: the step joins a batch's sequences to tensors of its own along "
+                    "the sequence (torch.cat or hstack, as a shift that appends -100 labels does), which this rank's "
+                    "share of the sequence cannot stand for. Shift with labels[..., 1:] alone: under context "
+                    "parallelism it keeps the sequence's length and ends in -100."
+                )
             return func(*_unwrap(args, whole=False), **_unwrap(kwargs, whole=False))
 
 
@@ -309,19 +365,49 @@ def _acts_on_whole(func: Any, args: tuple, kwargs: dict, shards: list[SequenceSh
         return _slices_batch_and_sequence(args[1], args[0].dim())
     if func is F.pad:
         return args[0].dim() == 2 and len(args[1]) == 2  # pads the sequence, the last dimension
+    if _joins_sequences(func, args, kwargs):
+        return True  # the batch's sequences joined: a longer whole
     return func in _ELEMENTWISE and all(s.dim() == shards[0].dim() for s in shards)
 
 
 def _slices_batch_and_sequence(index: Any, dims: int) -> bool:
     """Whether ``index`` takes a slice of the examples (a pipeline's microbatch) and of the sequence, leaving any
     other dimension whole."""
+    index = _expanded(index, dims)
+    batch_and_sequence = all(isinstance(i, slice) for i in index[:2])
+    return bool(index) and batch_and_sequence and all(i == slice(None) for i in index[2:])
+
+
+def _expanded(index: Any, dims: int) -> tuple:
+    """``index`` as a tuple of one entry per dimension: an ``Ellipsis``, and the dimensions after the last given,
+    made whole slices."""
     index = index if isinstance(index, tuple) else (index,)
     if Ellipsis in index:
         at = index.index(Ellipsis)
         index = index[:at] + (slice(None),) * (dims - len(index) + 1) + index[at + 1 :]
-    whole = slice(None)
-    batch_and_sequence = all(isinstance(i, slice) for i in index[:2])
-    return bool(index) and batch_and_sequence and all(i == whole for i in index[2:])
+    return index + (slice(None),) * (dims - len(index))
+
+
+def _drops_last_position(tensor: Tensor, index: Any, local_lengths: set[int]) -> bool:
+    """Whether ``tensor[index]`` is a causal LM's logits (batch, this rank's positions, vocabulary) without the last
+    position, whose prediction has no label: ``logits[..., :-1, :]``."""
+    if isinstance(tensor, SequenceShard) or tensor.dim() < 3 or not tensor.is_floating_point():
+        return False
+    if tensor.size(1) not in local_lengths:
+        return False
+    batch, sequence, *rest = _expanded(index, tensor.dim())
+    last = tensor.size(1) - 1
+    drops_last = isinstance(sequence, slice) and sequence.start in (None, 0) and sequence.stop in (-1, last)
+    return batch == slice(None) and drops_last and sequence.step in (None, 1) and all(i == slice(None) for i in rest)
+
+
+def _joins_sequences(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` concatenates tensors along the sequence, their second dimension."""
+    if func not in (torch.cat, torch.concat, torch.concatenate, torch.hstack):
+        return False
+    tensors = list(args[0])
+    dim = 1 if func is torch.hstack else kwargs.get("dim", kwargs.get("axis", args[1] if len(args) > 1 else 0))
+    return tensors[0].dim() >= 2 and dim % tensors[0].dim() == 1
 
 
 def _tensors_in(collection: Any) -> list[Tensor]:
@@ -338,6 +424,9 @@ def _unwrap(tree: Any, whole: bool) -> Any:
         return tensor if whole else value.cp.local(tensor)
 
     return apply_to_collection(tree, Tensor, unwrap)
+
+
+_MEAN_LOSSES = (F.cross_entropy, F.nll_loss)
 
 
 class _ContextParallelMode(TorchFunctionMode):
@@ -358,8 +447,19 @@ class _ContextParallelMode(TorchFunctionMode):
                 positions = self._arange_positions(args, kwargs)
             elif func is Tensor.__getitem__ and id(args[0]) in self.buffers:
                 positions = self._table_rows(args[0], args[1])
+            elif func is Tensor.__getitem__ and _drops_last_position(args[0], args[1], self.cp.local_lengths):
+                return args[0]  # the labels shifted alike end in -100 (``shift_kept_whole``)
             if positions is not None:
                 return positions
+            if func in _MEAN_LOSSES and len(args) == 2 and kwargs.get("reduction", "mean") == "mean":
+                return self._counted_loss(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _counted_loss(self, func: Any, args: tuple, kwargs: dict) -> Tensor:
+        """A mean cross-entropy, whose labelled tokens weigh this rank's loss where ranks hold unequal numbers."""
+        target = args[1]
+        if not target.is_floating_point():  # class indices, not probabilities
+            self.cp.loss_counts.append((target != kwargs.get("ignore_index", IGNORE_INDEX)).sum())
         return func(*args, **kwargs)
 
     def _arange_positions(self, args: tuple, kwargs: dict) -> Tensor | None:

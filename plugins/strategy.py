@@ -197,7 +197,7 @@ class ParallelStrategy(CheckpointingStrategy):
         if self._parallelized is not None and self._parallelized.model.module is module:
             return self._parallelized.model
         config = self._config.with_precision(self.precision_plugin.precision)
-        self._token_weights = TokenWeights(module, self.device_mesh, self.root_device)
+        self._token_weights = TokenWeights(module, self.device_mesh, self.root_device, self.context_parallel)
         self._parallelized = parallelize(
             module,
             self.device_mesh,

@@ -5,7 +5,8 @@ Split over data-parallel ranks, each rank averages over its own tokens and the r
 under ``accumulate_grad_batches`` Lightning averages the batches' losses alike too. That is a mean of means, not the
 global batch's mean, wherever ranks or batches hold different numbers of tokens. Where lightdist can count a step's
 tokens (``lightdist.loss_tokens``: a Hugging Face causal LM called with ``labels=``, or the module's own
-``loss_tokens(batch)``), it weighs by them, as Megatron and transformers' ``num_items_in_batch`` do:
+``loss_tokens(batch)``; under context parallelism, the labels of the step's one mean cross-entropy), it weighs by
+them, as Megatron and transformers' ``num_items_in_batch`` do:
 
 - the loss a training step returns, and each mean a step logs with ``sync_dist=True``, become the rank's share of the
   global batch's: its own, times its tokens' share of the global batch's, times the data-parallel size. Lightning's
@@ -30,6 +31,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
+from lightdist.context_parallel import ContextParallel
 from lightdist.loss_tokens import is_causal_lm, labelled_tokens
 
 __all__ = ["TokenWeights", "logging_to"]
@@ -39,13 +41,20 @@ _MEANS = ("mean", torch.mean)
 
 class TokenWeights:
     """Weighs ``module``'s steps by their labelled tokens over the ``mesh``'s data-parallel ranks, counted from the
-    module's calls of Hugging Face causal LMs (a pipeline counts its microbatches' itself) or its ``loss_tokens``."""
+    module's calls of Hugging Face causal LMs (a pipeline counts its microbatches' itself), its ``loss_tokens``, or
+    ``context_parallel``'s count of the step's cross-entropy."""
 
-    def __init__(self, module: LightningModule, mesh: DeviceMesh, device: torch.device) -> None:
+    def __init__(
+        self,
+        module: LightningModule,
+        mesh: DeviceMesh,
+        device: torch.device,
+        context_parallel: ContextParallel | None = None,
+    ) -> None:
         self.module, self.group, self.device = module, mesh["dp"].get_group(), device
-        self.ranks = mesh["dp"].size()
+        self.ranks, self.context_parallel = mesh["dp"].size(), context_parallel
         causal_lms = [model for model in module.modules() if is_causal_lm(model)]
-        self.countable = hasattr(module, "loss_tokens") or bool(causal_lms)
+        self.countable = hasattr(module, "loss_tokens") or bool(causal_lms) or context_parallel is not None
         self._tokens: Tensor | int | None = None  # this rank's count for the step, once known
         self._called: list[Tensor] | None = None  # while a step runs: the labelled tokens of each call with labels
         self._shared: tuple[Tensor, Tensor, Tensor] | None = None  # the step's share, global tokens, unknown
@@ -123,6 +132,8 @@ class TokenWeights:
             tokens = self.module.loss_tokens(batch)
         elif tokens is None and self._called is not None and len(self._called) == 1:
             tokens = self._called[0]
+        elif tokens is None and self.context_parallel is not None:
+            tokens = self.context_parallel.loss_tokens()
         own = torch.as_tensor(0 if tokens is None else tokens, device=self.device).float()
         counts = torch.stack([own, torch.tensor(float(tokens is None), device=self.device)])
         if self.ranks > 1:

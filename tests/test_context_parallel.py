@@ -44,6 +44,14 @@ def labels_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
     return model(**batch).loss
 
 
+def shifted_logits_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """The loss computed in the step from the logits, both shifted there, as Hugging Face's loss used to be."""
+    logits = model(input_ids=batch["input_ids"]).logits
+    shift_logits = logits[..., :-1, :].contiguous()
+    shift_labels = batch["labels"][..., 1:].contiguous()
+    return F.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
+
+
 def one_process_and_split(model: nn.Module, batch, loss_of, cp: ContextParallel) -> dict[str, float]:
     """The loss and gradients of ``model`` on ``batch`` in one process, and with each sequence split over the ranks:
     the largest differences, relative to the one-process values."""
@@ -54,8 +62,11 @@ def one_process_and_split(model: nn.Module, batch, loss_of, cp: ContextParallel)
     with cp.active():
         shards = cp.shard_batch(batch)
         loss = loss_of(model, shards)
-        # Each rank's loss is the mean over its own labelled tokens, which padding makes unequal: weigh it by them.
-        tokens = labelled_tokens(model, shards) if isinstance(shards, dict) else torch.tensor(1)
+        # Each rank's loss is the mean over its own labelled tokens, which padding and shifts make unequal: weigh it
+        # by them, as counted by the step's cross-entropy, or else by a Hugging Face model from its labels.
+        tokens = cp.loss_tokens()
+        if tokens is None:
+            tokens = labelled_tokens(model, shards) if isinstance(shards, dict) else torch.tensor(1)
         share = tokens / _summed(tokens.clone())
     with cp.active():  # backward under it too: activation checkpointing recomputes attention there
         (loss * share).backward()
@@ -112,6 +123,9 @@ def context_parallel_in_a_plain_loop() -> dict:
         model = hf_llama()
         cp = ContextParallel(mesh, method, model)
         results[f"hf_llama_{method}"] = one_process_and_split(model, collated, labels_loss, cp)
+    model = hf_llama()
+    cp = ContextParallel(mesh, "ring", model)
+    results["hf_llama_shifted_logits"] = one_process_and_split(model, collated, shifted_logits_loss, cp)
     # The reference Llama, whose step shifts the labels: batch[:, :-1] in, batch[:, 1:] as targets, 65 tokens
     torch.manual_seed(0)
     llama = Llama("tiny").model
@@ -121,6 +135,9 @@ def context_parallel_in_a_plain_loop() -> dict:
 
     windows = torch.randint(0, 64, (2, 65), generator=generator)
     results["llama_ring"] = one_process_and_split(llama, windows, shifted_loss, ContextParallel(mesh, "ring", llama))
+    # The same step on 64 tokens, a length that splits: the inputs keep their last token and the targets end in -100
+    shifted = ContextParallel(mesh, "all_to_all", llama)
+    results["llama_shift_of_a_split_length"] = one_process_and_split(llama, windows[:, :64], shifted_loss, shifted)
 
     # Targets made by rolling the inputs, cast and masked before the model sees them: each on the whole sequence
     def rolled_loss(model: nn.Module, batch: Tensor) -> Tensor:
@@ -137,10 +154,18 @@ def context_parallel_in_a_plain_loop() -> dict:
         llama, long, ContextParallel(mesh, "auto", llama)
     ) / saved_activation_bytes(llama, long, None)
 
-    def step_on(model: nn.Module, batch, method: str = "auto") -> Tensor:
-        cp = ContextParallel(mesh, method, model)
+    def step_on(model: nn.Module, batch, method: str = "auto", loss_of=labels_loss, pipelined: bool = False) -> Tensor:
+        cp = ContextParallel(mesh, method, model, pipelined)
         with cp.active():
-            return labels_loss(model, cp.shard_batch(batch))
+            return loss_of(model, cp.shard_batch(batch))
+
+    def labels_joined(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:  # torchtune's shift
+        labels = batch["labels"]
+        labels = torch.hstack((labels[..., 1:], torch.full((labels.shape[0], 1), -100)))
+        return F.cross_entropy(model(input_ids=batch["input_ids"]).logits.flatten(0, 1), labels.flatten())
+
+    def two_losses(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        return shifted_logits_loss(model, batch) + 0.1 * shifted_logits_loss(model, batch)
 
     left_padded = dict(collated, attention_mask=kept.flip(-1).long())
     labelled_padding = dict(collated, labels=tokens[:, :38])
@@ -150,6 +175,9 @@ def context_parallel_in_a_plain_loop() -> dict:
         "labelled_padding": raised(step_on, hf_llama(), labelled_padding),
         "eager_attention": raised(step_on, hf_llama("eager"), collated),
         "heads_do_not_divide": raised(step_on, hf_llama(heads=3, kv_heads=3), collated, "all_to_all"),
+        "labels_joined": raised(step_on, hf_llama(), collated, "auto", labels_joined),
+        "two_losses_of_a_shift": raised(step_on, hf_llama(), collated, "auto", two_losses),
+        "shift_in_a_pipeline": raised(step_on, hf_llama(), collated, "auto", shifted_logits_loss, True),
     }
     return results
 
@@ -159,7 +187,17 @@ def plain_loop() -> dict:
     return run_ranks(2, context_parallel_in_a_plain_loop)[0]
 
 
-@pytest.mark.parametrize("name", ["hf_llama_ring", "hf_llama_all_to_all", "llama_ring", "llama_rolled_targets"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "hf_llama_ring",
+        "hf_llama_all_to_all",
+        "hf_llama_shifted_logits",
+        "llama_ring",
+        "llama_shift_of_a_split_length",
+        "llama_rolled_targets",
+    ],
+)
 def test_half_of_each_sequence_per_rank_computes_what_one_process_computes(plain_loop: dict, name: str) -> None:
     assert plain_loop[name]["loss"] < 1e-5
     assert plain_loop[name]["gradients"] < 1e-4
@@ -183,6 +221,11 @@ def test_what_cannot_be_split_is_refused_with_the_way_out(plain_loop: dict) -> N
     assert "computed no torch.nn.functional.scaled_dot_product_attention" in errors["eager_attention"]
     assert "attn_implementation='sdpa'" in errors["eager_attention"]
     assert "3 query and 3 key/value heads (per tensor-parallel rank) do not divide" in errors["heads_do_not_divide"]
+    assert "joins a batch's sequences to tensors of its own" in errors["labels_joined"]
+    assert "Shift with labels[..., 1:] alone" in errors["labels_joined"]
+    assert "this step computed 2 mean F.cross_entropy losses, not one" in errors["two_losses_of_a_shift"]
+    assert "a pipeline weighs its microbatches before their loss" in errors["shift_in_a_pipeline"]
+    assert "Feed windows of one token more than the model takes" in errors["shift_in_a_pipeline"]
 
 
 def test_each_rank_holds_a_chunk_from_each_end() -> None:

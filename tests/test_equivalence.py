@@ -47,12 +47,13 @@ CASES = {
         # Context parallelism: each rank holds half of every sequence (two of four chunks); the step, the model and
         # the data are the user's. Positions come from a rotary buffer sliced [:T] (the reference Llama, LitGPT),
         # torch.arange (nanoGPT, GPT-2) or Hugging Face's cache_position; the label shift inside a Hugging Face loss
-        # (windows of 32 = seq_len + 1) and in the step (windows of 33, the model fed 32).
+        # (windows of 32 = seq_len + 1) and in the step (windows of 33, the model fed 32; or the window of 32 fed
+        # whole, its logits and labels shifted in the step, which leaves the ranks 16 and 15 labelled tokens).
         "cp2_ring": Case(strategy=CP2_RING),
         "cp2_all_to_all": Case(strategy=dict(CP2, context_parallel_method="all_to_all")),
         "zoo_hf_llama_labels_cp2_ring": Case(strategy=CP2_RING, model="zoo_hf_llama_labels", seq_len=31),
         "zoo_hf_gpt2_labels_cp2": Case(strategy=CP2, model="zoo_hf_gpt2_labels", seq_len=31),
-        "zoo_hf_qwen2_logits_cp2": Case(strategy=CP2, model="zoo_hf_qwen2_logits"),
+        "zoo_hf_qwen2_shifted_logits_cp2": Case(strategy=CP2, model="zoo_hf_qwen2_shifted_logits", seq_len=31),
         "zoo_nanogpt_cp2_ring": Case(strategy=CP2_RING, model="zoo_nanogpt"),
         "zoo_litgpt_cp2": Case(strategy=CP2, model="zoo_litgpt"),
         "gpt2_cp2_clip": Case(strategy=CP2, model="gpt2_no_bias", gradient_clip_val=0.1),

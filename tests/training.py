@@ -285,6 +285,9 @@ MODELS = {
     ),
     "zoo_hf_llama_labels": partial(zoo.HuggingFaceLabels, model_type="llama", num_key_value_heads=2, **zoo.HF_TINY),
     "zoo_hf_qwen2_logits": partial(zoo.HuggingFaceLogits, model_type="qwen2", num_key_value_heads=2, **zoo.HF_TINY),
+    "zoo_hf_qwen2_shifted_logits": partial(
+        zoo.HuggingFaceShiftedLogits, model_type="qwen2", num_key_value_heads=2, **zoo.HF_TINY
+    ),
     "zoo_hf_llama_base_and_head": partial(
         zoo.HuggingFaceBaseAndHead, model_type="llama", num_key_value_heads=2, **zoo.HF_TINY
     ),

@@ -272,6 +272,19 @@ class HuggingFaceLogits(HuggingFaceLabels):
         return loss
 
 
+class HuggingFaceShiftedLogits(HuggingFaceLabels):
+    """The same model fed the whole window, the logits and labels shifted in the step, as Hugging Face's own loss was
+    written before transformers 4.46 and many steps still are."""
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        logits = self.model(input_ids=batch).logits
+        shift_logits = logits[..., :-1, :].contiguous()
+        shift_labels = batch[..., 1:].contiguous()
+        loss = F.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
 class HuggingFaceBaseAndHead(HuggingFaceLabels):
     """The base model called for hidden states, the LM head applied in the step, as users computing the loss in
     chunks write it."""
