@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 
 from lightdist.expert_parallel import all_to_all_rows
@@ -190,8 +192,12 @@ class ContextParallel:
     def active(self) -> Iterator[None]:
         """Positions and attention of the split sequences, while a step or its backward (which may recompute) runs;
         a step whose model took its share of the sequence but attended by hand is refused once it returns."""
-        with _ContextParallelMode(self):
-            yield
+        into_tensor_parallel = register_module_forward_pre_hook(_shares_into_tensor_parallel_modules)
+        try:
+            with _ContextParallelMode(self):
+                yield
+        finally:
+            into_tensor_parallel.remove()
         if self.local_lengths and not self.attended:
             raise ValueError(
                 f"context_parallel_size={self.size}: the model took this rank's share of each sequence but computed "
@@ -221,6 +227,10 @@ class ContextParallel:
         enable_gqa: bool = False,
     ) -> Tensor:
         """Causal attention of this rank's queries (batch, heads, local length, head dim) over the whole sequence."""
+        if isinstance(query, DTensor):  # tensor parallelism's heads (attention that reshapes with global sizes)
+            local = (t.to_local() for t in (query, key, value))
+            out = self.attention(*local, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+            return DTensor.from_local(out, query.device_mesh, query.placements)
         if attn_mask is not None or not is_causal:
             raise ValueError(
                 f"context_parallel_size={self.size} splits causal attention, but the model called "
@@ -408,6 +418,16 @@ def _joins_sequences(func: Any, args: tuple, kwargs: dict) -> bool:
     tensors = list(args[0])
     dim = 1 if func is torch.hstack else kwargs.get("dim", kwargs.get("axis", args[1] if len(args) > 1 else 0))
     return tensors[0].dim() >= 2 and dim % tensors[0].dim() == 1
+
+
+def _shares_into_tensor_parallel_modules(module: nn.Module, args: tuple) -> tuple | None:
+    """A tensor-parallel module (a vocabulary-parallel embedding) makes DTensors of its inputs, which read a tensor's
+    data, not its ``__torch_function__``: it takes this rank's share of the batch's sequences."""
+    if not any(isinstance(arg, SequenceShard) for arg in args):
+        return None
+    if not any(isinstance(parameter, DTensor) for parameter in module.parameters(recurse=False)):
+        return None
+    return _unwrap(args, whole=False)
 
 
 def _tensors_in(collection: Any) -> list[Tensor]:

@@ -52,13 +52,6 @@ def validate_options(
             "stage's shapes from whole sequences. Cut stages by structure (pipeline_tracer=False), or use "
             "context_parallel_size=1."
         )
-    if sizes.cp > 1 and sizes.tp != 1 and config.sequence_parallel:
-        raise ValueError(
-            f"context_parallel_size={sizes.cp} with tensor_parallel_size={sizes.tp!r} needs sequence_parallel=False: "
-            "torch 2.13's DTensor fails on sequence-parallel activations while context parallelism watches the "
-            "model's calls for positions and attention. Set sequence_parallel=False (each context-parallel rank "
-            "already holds only its share of the sequence)."
-        )
     if config.pipeline_tracer and sizes.tp != 1:
         raise ValueError(
             "pipeline_tracer=True traces each block into a graph with its head counts fixed, which tensor "

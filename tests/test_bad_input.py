@@ -74,10 +74,6 @@ def test_under_torchrun_the_error_names_the_launchers_world_size(monkeypatch: py
             dict(context_parallel_size=2, pipeline_parallel_size=2, pipeline_tracer=True),
             r"context_parallel_size=2 with pipeline_tracer=True is not supported yet",
         ),
-        (
-            dict(context_parallel_size=2, tensor_parallel_size=2),
-            r"context_parallel_size=2 with tensor_parallel_size=2 needs sequence_parallel=False",
-        ),
         (dict(pipeline_parallel_size="four"), r"pipeline_parallel_size='four' must be a positive integer or 'auto'"),
         (dict(virtual_stages=2), r"pipeline_schedule='1f1b' runs one stage per rank, but virtual_stages=2. Use"),
         (dict(async_checkpoint="daemon"), r"async_checkpoint='daemon' is not one of 'process' \(upload from a daemon"),

@@ -227,7 +227,10 @@ CASES = {
         "cp4_ring": Case(strategy=dict(context_parallel_size=4, context_parallel_method="ring")),
         "zoo_hf_qwen2_logits_cp4": Case(strategy=dict(context_parallel_size=4), model="zoo_hf_qwen2_logits"),
         "cp2_dp2_zero3_clip": Case(strategy=dict(CP2, zero_stage=3), gradient_clip_val=0.1),
-        "cp2_tp2": Case(strategy=dict(CP2, **TP2_NO_SP)),
+        # with sequence parallelism: each rank's share of the sequence split again over the tensor-parallel ranks;
+        # nanoGPT's attention, which reshapes with global sizes, runs on tensor parallelism's DTensor heads
+        "cp2_tp2": Case(strategy=dict(CP2, **TP2)),
+        "zoo_nanogpt_cp2_tp2": Case(strategy=dict(CP2, **TP2), model="zoo_nanogpt"),
         # each stage's share of each microbatch's sequences: positions from its own inputs' length on every stage
         "pp2_cp2": Case(strategy=dict(PP2, **CP2)),
         "zoo_hf_llama_labels_pp2_cp2_4_microbatches": Case(
@@ -324,7 +327,7 @@ CASES = {
         ),
     },
     8: {  # 3D: pp=2 x dp=2 x tp=2
-        "cp2_dp2_tp2_zero3": Case(strategy=dict(CP2, **TP2_NO_SP, zero_stage=3)),
+        "cp2_dp2_tp2_zero3": Case(strategy=dict(CP2, **TP2, zero_stage=3)),
         "pp2_cp2_tp2": Case(strategy=dict(PP2, **CP2, **TP2_NO_SP)),
         "3d_clip": Case(strategy=dict(PP2, **TP2), gradient_clip_val=0.1, validate=True),
         "3d_gpt2_interleaved_fused_qkv_tied_clip": Case(
