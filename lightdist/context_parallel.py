@@ -109,6 +109,7 @@ class ContextParallel:
         self.group, self.size, self.rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
         self.method, self.module, self.pipelined = method, module, pipelined
         self.local_lengths: set[int] = set()  # of the sequences split in this step
+        self._arrivals: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
         self.attended = False
         self.shifted = False  # whether the step shifted a sequence that splits, which leaves ranks unequal tokens
         self.loss_counts: list[Tensor] = []  # the labelled tokens of each mean cross-entropy of the step
@@ -161,6 +162,32 @@ class ContextParallel:
         }
         return {**padded, "attention_mask": None} if isinstance(mask, Tensor) else padded
 
+    def whole_sequences(self, output: Any) -> Any:
+        """``output`` of a step on this rank's shares (a prediction's logits) with each sequence gathered whole, in
+        order, on every rank of the group."""
+
+        def whole(tensor: Tensor) -> Tensor:
+            if isinstance(tensor, SequenceShard):
+                return tensor.as_subclass(Tensor)
+            if tensor.dim() < 2 or tensor.size(1) not in self.local_lengths:
+                return tensor
+            shares = [torch.empty_like(tensor) for _ in range(self.size)]
+            dist.all_gather(shares, tensor.contiguous(), group=self.group)
+            _, order = self._arrival_order(tensor.size(1), tensor.device)
+            return torch.cat(shares, dim=1).index_select(1, order)
+
+        return apply_to_collection(output, Tensor, whole)
+
+    def _arrival_order(self, local_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The whole sequence's positions as the ranks' shares arrive, one rank after another, and the order that
+        sorts them."""
+        key = (local_len, device)
+        if key not in self._arrivals:
+            shares = [load_balanced_positions(local_len * self.size, self.size, r, device) for r in range(self.size)]
+            held = torch.cat(shares)
+            self._arrivals[key] = (held, held.argsort())
+        return self._arrivals[key]
+
     def loss_tokens(self) -> Tensor | None:
         """The tokens this rank's loss averaged over in the step: those its one mean cross-entropy labelled; ``None``
         where it took none or several. Weigh each rank's loss by them where ranks hold unequal numbers."""
@@ -171,7 +198,7 @@ class ContextParallel:
         (a split needs it): ``tokens[:, :-1]`` keeps its last token; ``labels[..., 1:]`` gets a last label of -100,
         which leaves out the prediction from that kept token (the step's loss must leave out -100, as PyTorch's and
         Hugging Face's do). Both are one process's pairs of a token and its successor."""
-        if whole.size(1) % (2 * self.size) or shifted.size(1) != whole.size(1) - 1:
+        if not isinstance(index[1], slice) or whole.size(1) % (2 * self.size) or shifted.size(1) != whole.size(1) - 1:
             return shifted
         if self.pipelined:
             raise ValueError(
@@ -269,9 +296,7 @@ class ContextParallel:
     def _all_to_all_attention(self, query: Tensor, key: Tensor, value: Tensor, scale: float | None) -> Tensor:
         """Ulysses: each rank attends over the whole sequence for its 1/N of the heads."""
         local_len = query.size(2)
-        held = torch.cat([load_balanced_positions(local_len * self.size, self.size, r) for r in range(self.size)])
-        held = held.to(query.device)  # the whole sequence's positions, as the ranks' shares arrive
-        order = held.argsort()
+        held, order = self._arrival_order(local_len, query.device)
 
         def gather_sequence(t: Tensor) -> Tensor:  # (B, H, L, D) -> (B, H / N, N * L, D) in sequence order
             batch, heads, _, dim = t.shape
@@ -381,11 +406,11 @@ def _acts_on_whole(func: Any, args: tuple, kwargs: dict, shards: list[SequenceSh
 
 
 def _slices_batch_and_sequence(index: Any, dims: int) -> bool:
-    """Whether ``index`` takes a slice of the examples (a pipeline's microbatch) and of the sequence, leaving any
-    other dimension whole."""
+    """Whether ``index`` takes a slice of the examples (a pipeline's microbatch) and a slice or a position of the
+    sequence (``tokens[:, 0]``, each sequence's first token), leaving any other dimension whole."""
     index = _expanded(index, dims)
-    batch_and_sequence = all(isinstance(i, slice) for i in index[:2])
-    return bool(index) and batch_and_sequence and all(i == slice(None) for i in index[2:])
+    batch_and_sequence = isinstance(index[0], slice) and isinstance(index[1], slice | int)
+    return batch_and_sequence and all(i == slice(None) for i in index[2:])
 
 
 def _expanded(index: Any, dims: int) -> tuple:

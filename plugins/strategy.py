@@ -236,12 +236,12 @@ class ParallelStrategy(CheckpointingStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._step("predict_step", super().predict_step, *args, **kwargs)
+        output = self._step("predict_step", super().predict_step, *args, **kwargs)
+        return self.context_parallel.whole_sequences(output) if self.context_parallel else output
 
     def _step(self, name: str, lightning_step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Lightning's step ``name``, or under a pipeline the schedule's run of it, weighed by its labelled tokens."""
-        if self.context_parallel is not None:
-            args = (self.context_parallel.shard_batch(args[0]), *args[1:])
+        args = (self.context_parallel.shard_batch(args[0]), *args[1:]) if self.context_parallel else args
         run = partial(lightning_step, *args, **kwargs)
         if self.pipeline_step is not None:
             run = partial(self.pipeline_step.run, name, *args[:2], self.optimizers, self.precision_plugin)

@@ -164,6 +164,14 @@ def test_predict_through_a_pipeline_matches_one_process() -> None:
     torch.testing.assert_close(first, last, rtol=0, atol=0)  # every rank returns the last stage's predictions
 
 
+@pytest.mark.multirank
+def test_predict_with_each_sequence_split_over_two_ranks_returns_it_whole() -> None:
+    # Each rank predicts for its half of every sequence, gathered in order; weights from each sequence's first token.
+    first, second = pipeline_results()["predict_cp2"]
+    torch.testing.assert_close(first, single_process_results()["predict"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+
+
 # Under 1F1B, third-party model code: a Hugging Face Llama whose step calls self.model(..., labels=...) and takes the
 # model's own loss; under interleaved 1F1B, the reference Llama's four blocks make four stages.
 PROFILED_MODELS = {"1f1b": "zoo_hf_llama_labels", "interleaved_1f1b": "llama"}
@@ -207,6 +215,7 @@ def pipeline_results() -> dict[str, tuple]:
         for schedule in ("1f1b", "interleaved_1f1b")
     }
     calls["predict_zero_bubble"] = (predict, (dict(PP2, pipeline_schedule="zero_bubble"), 2))
+    calls["predict_cp2"] = (predict, (dict(context_parallel_size=2), 2))
     calls["validate_built_on_meta"] = (validate_built_on_meta, (dict(PP2, pipeline_tracer=True), 2))
     traces = {f"traces_{name}": Path(tempfile.mkdtemp(prefix="traces-")) for name in ("1f1b", "interleaved_1f1b")}
     calls |= {name: (profile_second_step, (name.removeprefix("traces_"), str(path))) for name, path in traces.items()}
