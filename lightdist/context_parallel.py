@@ -423,17 +423,19 @@ def _expanded(index: Any, dims: int) -> tuple:
     return index + (slice(None),) * (dims - len(index))
 
 
-def _drops_last_position(tensor: Tensor, index: Any, local_lengths: set[int]) -> bool:
-    """Whether ``tensor[index]`` is a causal LM's logits (batch, this rank's positions, vocabulary) without the last
-    position, whose prediction has no label: ``logits[..., :-1, :]``."""
-    if isinstance(tensor, SequenceShard) or tensor.dim() < 3 or not tensor.is_floating_point():
-        return False
-    if tensor.size(1) not in local_lengths:
-        return False
+def _shift_of_a_share(tensor: Tensor, index: Any, local_lengths: set[int]) -> Literal["first", "last"] | None:
+    """Which end ``tensor[index]`` drops, where ``tensor`` holds this rank's share of sequences (batch, positions,
+    ...) and ``index`` drops one position of each, as a shift by one does; ``None`` for any other index."""
+    if isinstance(tensor, SequenceShard) or tensor.dim() < 2 or tensor.size(1) not in local_lengths:
+        return None
     batch, sequence, *rest = _expanded(index, tensor.dim())
-    last = tensor.size(1) - 1
-    drops_last = isinstance(sequence, slice) and sequence.start in (None, 0) and sequence.stop in (-1, last)
-    return batch == slice(None) and drops_last and sequence.step in (None, 1) and all(i == slice(None) for i in rest)
+    if batch != slice(None) or not isinstance(sequence, slice) or sequence.step not in (None, 1):
+        return None
+    if any(i != slice(None) for i in rest):
+        return None
+    if sequence.start in (None, 0) and sequence.stop in (-1, tensor.size(1) - 1):
+        return "last"
+    return "first" if sequence.start == 1 and sequence.stop in (None, tensor.size(1)) else None
 
 
 def _joins_sequences(func: Any, args: tuple, kwargs: dict) -> bool:
@@ -492,13 +494,27 @@ class _ContextParallelMode(TorchFunctionMode):
                 positions = self._arange_positions(args, kwargs)
             elif func is Tensor.__getitem__ and id(args[0]) in self.buffers:
                 positions = self._table_rows(args[0], args[1])
-            elif func is Tensor.__getitem__ and _drops_last_position(args[0], args[1], self.cp.local_lengths):
-                return args[0]  # the labels shifted alike end in -100 (``shift_kept_whole``)
+            elif func is Tensor.__getitem__ and (shift := _shift_of_a_share(*args[:2], self.cp.local_lengths)):
+                return self._shifted_share(args[0], shift)
             if positions is not None:
                 return positions
             if func in _MEAN_LOSSES and len(args) == 2 and kwargs.get("reduction", "mean") == "mean":
                 return self._counted_loss(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _shifted_share(self, share: Tensor, dropped: str) -> Tensor:
+        """A causal LM's logits (batch, this rank's positions, vocabulary) keep their last position under
+        ``logits[..., :-1, :]``: the labels shifted alike end in -100 (``shift_kept_whole``). Token ids that are this
+        rank's share already cannot be shifted: the successor of its last token is on another rank."""
+        if dropped == "last" and share.dim() >= 3 and share.is_floating_point():
+            return share
+        raise ValueError(
+            f"context_parallel_size={self.cp.size}: the step shifts a tensor that holds this rank's share of each "
+            f"sequence ({tuple(share.shape)}, the {dropped} position dropped), whose neighbouring tokens are on other "
+            "ranks: an op lightdist does not run on the whole sequence (a view, reshape or flatten) took the share "
+            "before the shift. Shift the batch's own tensors first (batch[:, :-1], batch[:, 1:], labels[..., 1:]), "
+            "then reshape."
+        )
 
     def _counted_loss(self, func: Any, args: tuple, kwargs: dict) -> Tensor:
         """A mean cross-entropy, whose labelled tokens weigh this rank's loss where ranks hold unequal numbers."""

@@ -164,6 +164,10 @@ def context_parallel_in_a_plain_loop() -> dict:
         labels = torch.hstack((labels[..., 1:], torch.full((labels.shape[0], 1), -100)))
         return F.cross_entropy(model(input_ids=batch["input_ids"]).logits.flatten(0, 1), labels.flatten())
 
+    def reshaped_then_shifted(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:  # the view takes the share
+        tokens = batch["input_ids"].view(batch["input_ids"].size(0), -1)
+        return F.cross_entropy(model(input_ids=tokens[:, :-1]).logits.flatten(0, 1), tokens[:, 1:].flatten())
+
     def two_losses(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
         return shifted_logits_loss(model, batch) + 0.1 * shifted_logits_loss(model, batch)
 
@@ -177,6 +181,7 @@ def context_parallel_in_a_plain_loop() -> dict:
         "heads_do_not_divide": raised(step_on, hf_llama(heads=3, kv_heads=3), collated, "all_to_all"),
         "labels_joined": raised(step_on, hf_llama(), collated, "auto", labels_joined),
         "two_losses_of_a_shift": raised(step_on, hf_llama(), collated, "auto", two_losses),
+        "share_shifted": raised(step_on, hf_llama(), collated, "auto", reshaped_then_shifted),
         "shift_in_a_pipeline": raised(step_on, hf_llama(), collated, "auto", shifted_logits_loss, True),
     }
     return results
@@ -224,6 +229,8 @@ def test_what_cannot_be_split_is_refused_with_the_way_out(plain_loop: dict) -> N
     assert "joins a batch's sequences to tensors of its own" in errors["labels_joined"]
     assert "Shift with labels[..., 1:] alone" in errors["labels_joined"]
     assert "this step computed 2 mean F.cross_entropy losses, not one" in errors["two_losses_of_a_shift"]
+    assert "shifts a tensor that holds this rank's share of each sequence ((2, 20), the last" in errors["share_shifted"]
+    assert "Shift the batch's own tensors first" in errors["share_shifted"]
     assert "a pipeline weighs its microbatches before their loss" in errors["shift_in_a_pipeline"]
     assert "Feed windows of one token more than the model takes" in errors["shift_in_a_pipeline"]
 
