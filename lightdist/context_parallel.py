@@ -448,8 +448,9 @@ def _joins_sequences(func: Any, args: tuple, kwargs: dict) -> bool:
 
 
 def _shares_into_tensor_parallel_modules(module: nn.Module, args: tuple) -> tuple | None:
-    """A tensor-parallel module (a vocabulary-parallel embedding) makes DTensors of its inputs, which read a tensor's
-    data, not its ``__torch_function__``: it takes this rank's share of the batch's sequences."""
+    """A module with DTensor parameters of its own takes this rank's share of the batch's sequences: under tensor
+    parallelism (a vocabulary-parallel embedding) its hooks make DTensors of its inputs, which read a tensor's data,
+    not its ``__torch_function__``. An FSDP-sharded module's first op would take the share anyway."""
     if not any(isinstance(arg, SequenceShard) for arg in args):
         return None
     if not any(isinstance(parameter, DTensor) for parameter in module.parameters(recurse=False)):
