@@ -15,11 +15,14 @@ Nothing in the user's step or model changes. While a step runs under ``ContextPa
   already, keep theirs under ``logits[..., :-1, :]``. The ranks' losses, no longer over as many tokens, are weighed by
   the tokens their cross-entropy labels (``loss_tokens``);
 - positions are those of this rank's tokens: a ``torch.arange`` over the local length (nanoGPT, GPT-2, Hugging Face's
-  ``cache_position``) and a slice ``[:length]`` of one of the model's buffers (the rotary tables of LitGPT, torchtitan
-  and the reference Llama) give them;
+  ``cache_position``), a slice ``[:length]`` of one of the model's buffers (the rotary tables of LitGPT, torchtitan
+  and the reference Llama) and a cumulative sum of ones along the sequence (OPT's, ALiBi's) give them;
 - ``F.scaled_dot_product_attention`` over the local length attends over the whole sequence, by ring (torch's ring
   attention: key/value blocks passed around the group, partial results merged by their log-sum-exp) or by all-to-all
-  (DeepSpeed's Ulysses: heads scattered, the sequence gathered, any attention kernel).
+  (DeepSpeed's Ulysses: heads scattered, the sequence gathered, any attention kernel), under the causal mask, and with
+  the bias per key of a mask the model built (ALiBi's) by all-to-all;
+- a reduction along the sequence of a rank's share (a per-sequence mean, the index of the last token) is refused: it
+  would see that share only.
 
 Each rank's loss is then the mean over its own tokens; data-parallel reduction over the data-parallel and
 context-parallel ranks together (FSDP shards over both, as torchtitan does) averages them into the batch's mean, and
@@ -109,10 +112,12 @@ class ContextParallel:
         self.group, self.size, self.rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
         self.method, self.module, self.pipelined = method, module, pipelined
         self.local_lengths: set[int] = set()  # of the sequences split in this step
+        self.split_shapes: set[tuple[int, int]] = set()  # their (batch, local length)
         self._arrivals: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
         self.attended = False
         self.shifted = False  # whether the step shifted a sequence that splits, which leaves ranks unequal tokens
         self.loss_counts: list[Tensor] = []  # the labelled tokens of each mean cross-entropy of the step
+        self._mask_read: tuple[Tensor, Tensor | None] | None = None  # the last attention mask, and its bias per key
 
     def positions(self, local_len: int, device: torch.device | None = None) -> Tensor:
         """The positions in the whole sequence of this rank's ``local_len`` tokens."""
@@ -121,7 +126,7 @@ class ContextParallel:
     def local(self, whole: Tensor) -> Tensor:
         """This rank's tokens of ``whole`` (batch, sequence, ...)."""
         positions = load_balanced_positions(whole.size(1), self.size, self.rank, whole.device)
-        self.local_lengths.add(len(positions))
+        self._split(whole.size(0), len(positions))
         return whole.index_select(1, positions)
 
     def local_shape(self, whole: Tensor) -> torch.Size:
@@ -131,8 +136,12 @@ class ContextParallel:
         seq_len = whole.size(1)
         if seq_len % (2 * self.size):
             return whole.shape
-        self.local_lengths.add(seq_len // self.size)
+        self._split(whole.size(0), seq_len // self.size)
         return torch.Size((whole.size(0), seq_len // self.size, *whole.shape[2:]))
+
+    def _split(self, batch: int, local_len: int) -> None:
+        self.local_lengths.add(local_len)
+        self.split_shapes.add((batch, local_len))
 
     def shard_batch(self, batch: Any) -> Any:
         """``batch`` with each tensor of two or more dimensions standing for its whole sequences (``SequenceShard``).
@@ -142,7 +151,8 @@ class ContextParallel:
         attending causally is the same.
         """
         self.local_lengths.clear()
-        self.attended, self.shifted, self.loss_counts = False, False, []
+        self.split_shapes.clear()
+        self.attended, self.shifted, self.loss_counts, self._mask_read = False, False, [], None
         if isinstance(batch, Mapping) and isinstance(batch.get("labels"), Tensor):
             batch = type(batch)(self._padded_to_split(batch))
         return apply_to_collection(batch, Tensor, lambda t: SequenceShard(t, self) if t.dim() >= 2 else t)
@@ -258,14 +268,11 @@ class ContextParallel:
             local = (t.to_local() for t in (query, key, value))
             out = self.attention(*local, attn_mask, dropout_p, is_causal, scale, enable_gqa)
             return DTensor.from_local(out, query.device_mesh, query.placements)
-        if attn_mask is not None or not is_causal:
-            raise ValueError(
-                f"context_parallel_size={self.size} splits causal attention, but the model called "
-                f"scaled_dot_product_attention with {'a mask' if attn_mask is not None else 'is_causal=False'}: a "
-                "mask of its own (left padding, packed documents, sliding windows) or attention without one cannot "
-                "be split by position. Pad on the right (tokenizer.padding_side = 'right') and leave the mask to "
-                "is_causal=True, or train with context_parallel_size=1."
-            )
+        key_bias = None
+        if attn_mask is not None:
+            key_bias, is_causal = self._key_bias(attn_mask, query.size(2)), True
+        if not is_causal:
+            raise self._not_causal("is_causal=False")
         if dropout_p:
             raise ValueError(
                 f"context_parallel_size={self.size} does not split attention dropout (dropout_p={dropout_p}): each "
@@ -279,9 +286,49 @@ class ContextParallel:
         method = self._method(heads, kv_heads if dealt_whole else heads)
         if kv_heads != heads and (method == "ring" or not dealt_whole):
             key, value = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (key, value))
+        if method == "ring" and key_bias is not None:
+            raise ValueError(
+                f"context_parallel_size={self.size}: the model's attention mask adds a bias to each key's score "
+                "(ALiBi), which the ring's attention kernel cannot add; the all-to-all adds it over the whole "
+                "sequence. Use context_parallel_method='all_to_all', with query and key/value heads "
+                f"({heads} and {kv_heads} per tensor-parallel rank) divisible by context_parallel_size={self.size}."
+            )
         if method == "ring":
             return _RingAttention.apply(query, key, value, self.group, scale)
-        return self._all_to_all_attention(query, key, value, scale)
+        return self._all_to_all_attention(query, key, value, scale, key_bias)
+
+    def _key_bias(self, mask: Tensor, local_len: int) -> Tensor | None:
+        """What ``mask`` adds to each key's score over the whole sequence, (batch, heads, sequence), where it is a
+        causal mask by this rank's positions: ``None`` where it adds nothing else (Falcon builds such a mask itself),
+        a bias where it adds one per key (ALiBi's: a slope per head times the key's position). Any other mask is
+        refused. Models pass one mask to every block, so it is read once."""
+        if self._mask_read is not None and mask is self._mask_read[0]:
+            return self._mask_read[1]
+        if mask.dim() != 4 or tuple(mask.shape[-2:]) != (local_len, local_len) or mask.requires_grad:
+            raise self._not_causal("a mask")
+        positions = self.positions(local_len, mask.device)
+        allowed = positions[None, :] <= positions[:, None]
+        bias = None if mask.dtype == torch.bool else mask[..., -1:, :]  # the latest query this rank holds sees all
+        causal = mask == allowed if bias is None else torch.where(allowed, mask == bias, mask <= -1e4)  # exp(-1e4) is 0
+        if not bool(causal.all()):
+            raise self._not_causal("a mask")
+        if bias is not None and not bias.any():
+            bias = None
+        elif bias is not None:
+            shares = [torch.empty_like(bias) for _ in range(self.size)]
+            dist.all_gather(shares, bias.contiguous(), group=self.group)
+            bias = torch.cat(shares, dim=-1).index_select(-1, self._arrival_order(local_len, mask.device)[1])
+        self._mask_read = (mask, bias)
+        return bias
+
+    def _not_causal(self, given: str) -> ValueError:
+        return ValueError(
+            f"context_parallel_size={self.size} splits causal attention, but the model called "
+            f"scaled_dot_product_attention with {given}: a mask of its own (left padding, packed documents, sliding "
+            "windows) or attention without one cannot be split by position. Pad on the right "
+            "(tokenizer.padding_side = 'right') and leave the mask to is_causal=True, or train with "
+            "context_parallel_size=1."
+        )
 
     def _method(self, heads: int, kv_heads: int) -> str:
         divisible = heads % self.size == 0 and kv_heads % self.size == 0
@@ -293,8 +340,11 @@ class ContextParallel:
             )
         return "all_to_all" if self.method == "all_to_all" or (self.method == "auto" and divisible) else "ring"
 
-    def _all_to_all_attention(self, query: Tensor, key: Tensor, value: Tensor, scale: float | None) -> Tensor:
-        """Ulysses: each rank attends over the whole sequence for its 1/N of the heads."""
+    def _all_to_all_attention(
+        self, query: Tensor, key: Tensor, value: Tensor, scale: float | None, key_bias: Tensor | None = None
+    ) -> Tensor:
+        """Ulysses: each rank attends over the whole sequence for its 1/N of the heads, adding ``key_bias`` (batch,
+        heads, sequence) to each key's score under the causal mask where given."""
         local_len = query.size(2)
         held, order = self._arrival_order(local_len, query.device)
 
@@ -306,8 +356,20 @@ class ContextParallel:
             return whole.index_select(2, order)
 
         gqa = key.size(1) != query.size(1)
+        mask = None
+        if key_bias is not None:
+            heads_here = query.size(1) // self.size
+            if key_bias.size(1) > 1:
+                key_bias = key_bias[:, self.rank * heads_here : (self.rank + 1) * heads_here]
+            length = local_len * self.size
+            future = torch.ones(length, length, dtype=torch.bool, device=query.device).triu(1)
+            mask = key_bias.expand(-1, -1, length, -1).masked_fill(future, torch.finfo(key_bias.dtype).min)
         out = F.scaled_dot_product_attention(
-            *(gather_sequence(t) for t in (query, key, value)), is_causal=True, scale=scale, enable_gqa=gqa
+            *(gather_sequence(t) for t in (query, key, value)),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=gqa,
         )
         batch, heads_here, _, dim = out.shape
         parts = out.index_select(2, held).view(batch, heads_here, self.size, local_len, dim).permute(2, 0, 1, 3, 4)
@@ -339,7 +401,16 @@ _ELEMENTWISE = {
     Tensor.detach, Tensor.cpu, Tensor.cuda, Tensor.ne, Tensor.eq, Tensor.ge, Tensor.gt, Tensor.le, Tensor.lt,
     Tensor.__ne__, Tensor.__eq__, Tensor.__ge__, Tensor.__gt__, Tensor.__le__, Tensor.__lt__, Tensor.__and__,
     Tensor.__or__, Tensor.__invert__, Tensor.logical_not, Tensor.masked_fill, Tensor.masked_fill_, Tensor.__setitem__,
-    Tensor.clamp, Tensor.roll, torch.roll, torch.where, torch.clone,
+    Tensor.clamp, Tensor.roll, torch.roll, torch.where, torch.clone, Tensor.cumsum, torch.cumsum,
+}  # fmt: skip
+# Ops over a dimension: along the sequence of a rank's share, each sees that share only.
+_OVER_A_DIMENSION = {
+    Tensor.sum, torch.sum, Tensor.nansum, torch.nansum, Tensor.mean, torch.mean, Tensor.nanmean, torch.nanmean,
+    Tensor.prod, torch.prod, Tensor.amax, torch.amax, Tensor.amin, torch.amin, Tensor.max, torch.max, Tensor.min,
+    torch.min, Tensor.argmax, torch.argmax, Tensor.argmin, torch.argmin, Tensor.logsumexp, torch.logsumexp,
+    Tensor.count_nonzero, torch.count_nonzero, Tensor.std, torch.std, Tensor.var, torch.var, Tensor.cumsum,
+    torch.cumsum, Tensor.cumprod, torch.cumprod, Tensor.softmax, torch.softmax, F.softmax, Tensor.log_softmax,
+    torch.log_softmax, F.log_softmax,
 }  # fmt: skip
 # What a tensor is, not what it holds: the same for the whole and the rank's share, read from the whole.
 _METADATA = {Tensor.dim, Tensor.is_floating_point, Tensor.element_size, Tensor.is_contiguous, Tensor.get_device}
@@ -497,6 +568,8 @@ class _ContextParallelMode(TorchFunctionMode):
                 positions = self._table_rows(args[0], args[1])
             elif func is Tensor.__getitem__ and (shift := _shift_of_a_share(*args[:2], self.cp.local_lengths)):
                 return self._shifted_share(args[0], shift)
+            elif func in _OVER_A_DIMENSION and self._along_a_share(func, args, kwargs):
+                return self._positions_counted(func, args, kwargs)
             if positions is not None:
                 return positions
             if func in _MEAN_LOSSES and len(args) == 2 and kwargs.get("reduction", "mean") == "mean":
@@ -515,6 +588,39 @@ class _ContextParallelMode(TorchFunctionMode):
             "ranks: an op lightdist does not run on the whole sequence (a view, reshape or flatten) took the share "
             "before the shift. Shift the batch's own tensors first (batch[:, :-1], batch[:, 1:], labels[..., 1:]), "
             "then reshape."
+        )
+
+    def _along_a_share(self, func: Any, args: tuple, kwargs: dict) -> bool:
+        """Whether ``func`` reduces or scans along the sequence, not the batch, of this rank's share of sequences
+        (a cumulative sum of whole sequences, a ``SequenceShard``'s, runs on the whole)."""
+        tensor = args[0]
+        if not isinstance(tensor, Tensor) or tensor.dim() < 2 or tuple(tensor.shape[:2]) not in self.cp.split_shapes:
+            return False
+        if isinstance(tensor, SequenceShard) and func in _ELEMENTWISE:
+            return False
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        dims = dim if isinstance(dim, tuple | list) else (dim,)
+        if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+            return False  # over every dimension, or not a dimension (torch.max(a, b), var(unbiased))
+        over = {d % tensor.dim() for d in dims}
+        return 1 in over and 0 not in over
+
+    def _positions_counted(self, func: Any, args: tuple, kwargs: dict) -> Tensor:
+        """A cumulative sum of ones along the sequence counts positions (OPT's, and ALiBi's in Falcon, from a mask of
+        ones made at the local length): those of this rank's tokens, plus one. Any other op along a rank's share is
+        refused, since it would see that share only."""
+        tensor = args[0]
+        if func in (torch.cumsum, Tensor.cumsum) and bool((tensor == 1).all()):
+            out = func(*args, **kwargs)
+            positions = self.cp.positions(tensor.size(1), tensor.device) + 1
+            return positions.view(1, -1, *[1] * (tensor.dim() - 2)).to(out.dtype).expand_as(out).contiguous()
+        raise ValueError(
+            f"context_parallel_size={self.cp.size}: the step computes {getattr(func, '__name__', func)} along the "
+            f"sequence of a tensor that holds this rank's share of each sequence ({tuple(tensor.shape)}), which sees "
+            "that share only: a per-sequence mean or sum (a loss normalised per sequence, mean pooling), a softmax or "
+            "maximum over positions, or the index of a sequence's last token. Reduce over all of the rank's tokens "
+            "instead (loss.sum() / mask.sum(), which lightdist weighs by the tokens each rank holds), or train with "
+            "context_parallel_size=1."
         )
 
     def _counted_loss(self, func: Any, args: tuple, kwargs: dict) -> Tensor:

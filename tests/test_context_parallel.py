@@ -21,6 +21,7 @@ from lightdist.models import Llama
 from lightdist.planner import Cluster, Layout, ModelShape, Training, estimate
 
 from multirank import raised, run_ranks
+from zoo import HF_TINY
 
 pytestmark = pytest.mark.multirank
 
@@ -37,6 +38,11 @@ def hf_llama(attn_implementation: str = "sdpa", heads: int = 4, kv_heads: int = 
     config._attn_implementation = attn_implementation
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
+
+
+def hf_causal_lm(model_type: str, **config) -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **config))
 
 
 def labels_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
@@ -72,7 +78,8 @@ def one_process_and_split(model: nn.Module, batch, loss_of, cp: ContextParallel)
         (loss * share).backward()
     gradient_gap = 0.0
     for name, parameter in model.named_parameters():
-        scale = expected[name].abs().max().clamp(min=1e-12)
+        # A key's bias has no gradient (softmax ignores a shift shared by all keys): only its rounding, below 1e-10
+        scale = expected[name].abs().max().clamp(min=1e-6)
         gap = (_summed(parameter.grad) - expected[name]).abs().max() / scale
         gradient_gap = max(gradient_gap, gap.item())
     model.zero_grad()
@@ -123,6 +130,16 @@ def context_parallel_in_a_plain_loop() -> dict:
         model = hf_llama()
         cp = ContextParallel(mesh, method, model)
         results[f"hf_llama_{method}"] = one_process_and_split(model, collated, labels_loss, cp)
+    # OPT counts positions by a cumulative sum of a mask of ones; Falcon passes attention a causal mask of its own
+    opt = hf_causal_lm("opt", **dict(HF_TINY, ffn_dim=176, word_embed_proj_dim=64, dropout=0.0))
+    results["hf_opt_ring"] = one_process_and_split(opt, collated, labels_loss, ContextParallel(mesh, "ring", opt))
+    falcon = hf_causal_lm("falcon", **HF_TINY, multi_query=True, new_decoder_architecture=False, alibi=False)
+    cp = ContextParallel(mesh, "auto", falcon)
+    results["hf_falcon_causal_mask"] = one_process_and_split(falcon, collated, labels_loss, cp)
+    # ALiBi: a slope per head times the key's position, which Falcon adds to its causal mask
+    alibi = hf_causal_lm("falcon", **HF_TINY, multi_query=False, new_decoder_architecture=False, alibi=True)
+    cp = ContextParallel(mesh, "auto", alibi)
+    results["hf_falcon_alibi_all_to_all"] = one_process_and_split(alibi, collated, labels_loss, cp)
     model = hf_llama()
     cp = ContextParallel(mesh, "ring", model)
     results["hf_llama_shifted_logits"] = one_process_and_split(model, collated, shifted_logits_loss, cp)
@@ -171,6 +188,17 @@ def context_parallel_in_a_plain_loop() -> dict:
     def two_losses(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
         return shifted_logits_loss(model, batch) + 0.1 * shifted_logits_loss(model, batch)
 
+    def per_sequence_mean(model: nn.Module, batch: Tensor) -> Tensor:  # each sequence's mean, then the batch's
+        losses = F.cross_entropy(model(batch[:, :-1]).transpose(1, 2), batch[:, 1:], reduction="none")
+        return losses.mean(dim=1).mean()
+
+    def sequence_classification(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:  # the last token's logits
+        return model(input_ids=batch["input_ids"], labels=torch.tensor([0, 1])).loss
+
+    torch.manual_seed(0)
+    classifier = transformers.LlamaForSequenceClassification(
+        transformers.LlamaConfig(**HF_TINY, num_key_value_heads=2, num_labels=2, pad_token_id=0)
+    )
     left_padded = dict(collated, attention_mask=kept.flip(-1).long())
     labelled_padding = dict(collated, labels=tokens[:, :38])
     results["errors"] = {
@@ -183,6 +211,9 @@ def context_parallel_in_a_plain_loop() -> dict:
         "two_losses_of_a_shift": raised(step_on, hf_llama(), collated, "auto", two_losses),
         "share_shifted": raised(step_on, hf_llama(), collated, "auto", reshaped_then_shifted),
         "shift_in_a_pipeline": raised(step_on, hf_llama(), collated, "auto", shifted_logits_loss, True),
+        "per_sequence_mean": raised(step_on, llama, windows, "auto", per_sequence_mean),
+        "sequence_classification": raised(step_on, classifier, collated, "auto", sequence_classification),
+        "alibi_by_ring": raised(step_on, alibi, collated, "ring"),
     }
     return results
 
@@ -198,6 +229,9 @@ def plain_loop() -> dict:
         "hf_llama_ring",
         "hf_llama_all_to_all",
         "hf_llama_shifted_logits",
+        "hf_opt_ring",
+        "hf_falcon_causal_mask",
+        "hf_falcon_alibi_all_to_all",
         "llama_ring",
         "llama_shift_of_a_split_length",
         "llama_rolled_targets",
@@ -233,6 +267,11 @@ def test_what_cannot_be_split_is_refused_with_the_way_out(plain_loop: dict) -> N
     assert "Shift the batch's own tensors first" in errors["share_shifted"]
     assert "a pipeline weighs its microbatches before their loss" in errors["shift_in_a_pipeline"]
     assert "Feed windows of one token more than the model takes" in errors["shift_in_a_pipeline"]
+    assert "computes mean along the sequence of a tensor that holds this rank's share" in errors["per_sequence_mean"]
+    assert "(2, 32)" in errors["per_sequence_mean"] and "loss.sum() / mask.sum()" in errors["per_sequence_mean"]
+    assert "computes argmax along the sequence" in errors["sequence_classification"]
+    assert "adds a bias to each key's score (ALiBi)" in errors["alibi_by_ring"]
+    assert "Use context_parallel_method='all_to_all'" in errors["alibi_by_ring"]
 
 
 def test_each_rank_holds_a_chunk_from_each_end() -> None:

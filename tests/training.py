@@ -321,6 +321,10 @@ MODELS = {
         alibi=False,
         **zoo.HF_TINY,
     ),
+    # ALiBi, added to the causal mask that Falcon builds and hands to scaled_dot_product_attention; one key/value head
+    "zoo_hf_falcon_alibi_labels": partial(
+        zoo.HuggingFaceLabels, model_type="falcon", new_decoder_architecture=False, alibi=True, **zoo.HF_TINY
+    ),
     "zoo_hf_gpt2_labels": partial(zoo.HuggingFaceLabels, **zoo.HF_TINY_GPT2),
     # Fine-tuning on the batches people's loaders make (LoaderBatches): the collator's dict into the model's own loss
     "zoo_hf_llama_finetuning": partial(
