@@ -21,6 +21,8 @@ Nothing in the user's step or model changes. While a step runs under ``ContextPa
   attention: key/value blocks passed around the group, partial results merged by their log-sum-exp) or by all-to-all
   (DeepSpeed's Ulysses: heads scattered, the sequence gathered, any attention kernel), under the causal mask, and with
   the bias per key of a mask the model built (ALiBi's) by all-to-all;
+- attention written by hand (``q @ k.transpose(-2, -1)``, the mask, softmax, ``@ v``) scores the rank's queries
+  against the whole sequence's keys and values, gathered (``attention_by_hand``);
 - a reduction along the sequence of a rank's share (a per-sequence mean, the index of the last token) is refused: it
   would see that share only.
 
@@ -45,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 
+from lightdist.attention_by_hand import BY_HAND_OPS, AttentionByHand
 from lightdist.expert_parallel import all_to_all_rows
 from lightdist.loss_tokens import IGNORE_INDEX
 from lightdist.torch_internals import ring_attention_backward, ring_attention_forward, subclass_dispatch_disabled
@@ -117,7 +120,7 @@ class ContextParallel:
         self.attended = False
         self.shifted = False  # whether the step shifted a sequence that splits, which leaves ranks unequal tokens
         self.loss_counts: list[Tensor] = []  # the labelled tokens of each mean cross-entropy of the step
-        self._mask_read: tuple[Tensor, Tensor | None] | None = None  # the last attention mask, and its bias per key
+        self._masks_read: dict[int, tuple[Tensor, Tensor | None]] = {}  # the step's masks, and their bias per key
 
     def positions(self, local_len: int, device: torch.device | None = None) -> Tensor:
         """The positions in the whole sequence of this rank's ``local_len`` tokens."""
@@ -152,7 +155,8 @@ class ContextParallel:
         """
         self.local_lengths.clear()
         self.split_shapes.clear()
-        self.attended, self.shifted, self.loss_counts, self._mask_read = False, False, [], None
+        self.attended, self.shifted, self.loss_counts = False, False, []
+        self._masks_read.clear()
         if isinstance(batch, Mapping) and isinstance(batch.get("labels"), Tensor):
             batch = type(batch)(self._padded_to_split(batch))
         return apply_to_collection(batch, Tensor, lambda t: SequenceShard(t, self) if t.dim() >= 2 else t)
@@ -183,12 +187,12 @@ class ContextParallel:
                 return tensor
             shares = [torch.empty_like(tensor) for _ in range(self.size)]
             dist.all_gather(shares, tensor.contiguous(), group=self.group)
-            _, order = self._arrival_order(tensor.size(1), tensor.device)
+            _, order = self.arrival_order(tensor.size(1), tensor.device)
             return torch.cat(shares, dim=1).index_select(1, order)
 
         return apply_to_collection(output, Tensor, whole)
 
-    def _arrival_order(self, local_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    def arrival_order(self, local_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """The whole sequence's positions as the ranks' shares arrive, one rank after another, and the order that
         sorts them."""
         key = (local_len, device)
@@ -238,10 +242,10 @@ class ContextParallel:
         if self.local_lengths and not self.attended:
             raise ValueError(
                 f"context_parallel_size={self.size}: the model took this rank's share of each sequence but computed "
-                "no torch.nn.functional.scaled_dot_product_attention over it, so its attention (written by hand, or "
-                "a kernel lightdist cannot see into) would attend within each rank's share only. Load Hugging Face "
-                "models with attn_implementation='sdpa'; in your own attention, call "
-                "F.scaled_dot_product_attention(q, k, v, is_causal=True)."
+                "no torch.nn.functional.scaled_dot_product_attention over it, nor scores by hand (q @ k.transpose(-2, "
+                "-1), bmm or baddbmm), so its attention (einsum, or a kernel lightdist cannot see into) would attend "
+                "within each rank's share only. Load Hugging Face models with attn_implementation='sdpa'; in your "
+                "own attention, call F.scaled_dot_product_attention(q, k, v, is_causal=True)."
             )
         if self.shifted and self.loss_tokens() is None:
             raise ValueError(
@@ -270,7 +274,7 @@ class ContextParallel:
             return DTensor.from_local(out, query.device_mesh, query.placements)
         key_bias = None
         if attn_mask is not None:
-            key_bias, is_causal = self._key_bias(attn_mask, query.size(2)), True
+            key_bias, is_causal = self.key_bias(attn_mask), True
         if not is_causal:
             raise self._not_causal("is_causal=False")
         if dropout_p:
@@ -297,14 +301,15 @@ class ContextParallel:
             return _RingAttention.apply(query, key, value, self.group, scale)
         return self._all_to_all_attention(query, key, value, scale, key_bias)
 
-    def _key_bias(self, mask: Tensor, local_len: int) -> Tensor | None:
-        """What ``mask`` adds to each key's score over the whole sequence, (batch, heads, sequence), where it is a
-        causal mask by this rank's positions: ``None`` where it adds nothing else (Falcon builds such a mask itself),
-        a bias where it adds one per key (ALiBi's: a slope per head times the key's position). Any other mask is
+    def key_bias(self, mask: Tensor) -> Tensor | None:
+        """What ``mask``, made for this rank's queries and keys (..., L, L), adds to each key's score over the whole
+        sequence (..., 1, N x L), where it is a causal mask by this rank's positions: ``None`` where it adds nothing
+        else (Falcon builds such a mask itself), a bias where it adds one per key (ALiBi's). Any other mask is
         refused. Models pass one mask to every block, so it is read once."""
-        if self._mask_read is not None and mask is self._mask_read[0]:
-            return self._mask_read[1]
-        if mask.dim() != 4 or tuple(mask.shape[-2:]) != (local_len, local_len) or mask.requires_grad:
+        if id(mask) in self._masks_read:
+            return self._masks_read[id(mask)][1]
+        local_len = mask.size(-1)
+        if mask.dim() < 2 or mask.size(-2) != local_len or local_len not in self.local_lengths or mask.requires_grad:
             raise self._not_causal("a mask")
         positions = self.positions(local_len, mask.device)
         allowed = positions[None, :] <= positions[:, None]
@@ -312,14 +317,55 @@ class ContextParallel:
         causal = mask == allowed if bias is None else torch.where(allowed, mask == bias, mask <= -1e4)  # exp(-1e4) is 0
         if not bool(causal.all()):
             raise self._not_causal("a mask")
-        if bias is not None and not bias.any():
-            bias = None
-        elif bias is not None:
-            shares = [torch.empty_like(bias) for _ in range(self.size)]
-            dist.all_gather(shares, bias.contiguous(), group=self.group)
-            bias = torch.cat(shares, dim=-1).index_select(-1, self._arrival_order(local_len, mask.device)[1])
-        self._mask_read = (mask, bias)
-        return bias
+        whole = self.bias_of_keys(bias) if bias is not None and bias.any() else None
+        self._masks_read[id(mask)] = (mask, whole)
+        return whole
+
+    def bias_of_keys(self, bias: Tensor) -> Tensor:
+        """A bias per key of this rank's share (..., L), over the whole sequence: gathered from every rank, where it
+        is linear in the key's position, as ALiBi's (a slope per head) is. A bias read from a table by the share's
+        length, not its positions (MPT's ALiBi), is not: it is refused rather than added wrong."""
+        if id(bias) in self._masks_read:
+            return self._masks_read[id(bias)][1]
+        if bias.requires_grad:
+            raise self._not_causal("a bias with a gradient")
+        whole = self.gathered(bias, -1)
+        rise = whole - whole[..., :1]
+        slope = rise[..., -1:] / (whole.size(-1) - 1)
+        off_line = (rise - slope * torch.arange(whole.size(-1), device=whole.device)).abs().max()
+        if off_line > 1e-2 * rise.abs().max() + 1e-6:
+            raise ValueError(
+                f"context_parallel_size={self.size}: the model adds to each key's attention score a bias that, "
+                "gathered from the ranks' shares of the sequence, is not linear in the key's position, as ALiBi's is: "
+                "it was made from the share's length rather than its tokens' positions (MPT reads its ALiBi table "
+                "so). Build the bias from torch.arange over the sequence, or train with context_parallel_size=1."
+            )
+        self._masks_read[id(bias)] = (bias, whole)
+        return whole
+
+    def whole_key_mask(self, mask: Tensor) -> Tensor:
+        """``mask``, made for this rank's share of keys, over the whole sequence's: a bias per key (..., 1, L) gathered;
+        a causal mask by position (..., L, L) made that of this rank's queries over all keys (..., L, N x L)."""
+        if mask.size(-2) == 1:
+            return self.bias_of_keys(mask)
+        bias = self.key_bias(mask)
+        future = self.whole_future(mask.size(-1), mask.device)
+        return torch.where(future, torch.finfo(mask.dtype).min, mask.new_zeros(()) if bias is None else bias)
+
+    def whole_future(self, local_len: int, device: torch.device) -> Tensor:
+        """Where this rank's queries must not look over the whole sequence (L, N x L): the keys after each."""
+        positions = self.positions(local_len, device)
+        return torch.arange(local_len * self.size, device=device)[None, :] > positions[:, None]
+
+    def gathered(self, share: Tensor, dim: int) -> Tensor:
+        """Every rank's ``share`` of the sequence along ``dim``, in sequence order; gradients go back to the ranks
+        that hold each share."""
+        dim = dim % share.dim()
+        parts = share.unsqueeze(0).expand(self.size, *share.shape)
+        arrived = all_to_all_rows(parts, [1] * self.size, [1] * self.size, self.group)
+        return torch.cat(arrived.unbind(0), dim=dim).index_select(
+            dim, self.arrival_order(share.size(dim), share.device)[1]
+        )
 
     def _not_causal(self, given: str) -> ValueError:
         return ValueError(
@@ -344,9 +390,9 @@ class ContextParallel:
         self, query: Tensor, key: Tensor, value: Tensor, scale: float | None, key_bias: Tensor | None = None
     ) -> Tensor:
         """Ulysses: each rank attends over the whole sequence for its 1/N of the heads, adding ``key_bias`` (batch,
-        heads, sequence) to each key's score under the causal mask where given."""
+        heads, 1, sequence) to each key's score under the causal mask where given."""
         local_len = query.size(2)
-        held, order = self._arrival_order(local_len, query.device)
+        held, order = self.arrival_order(local_len, query.device)
 
         def gather_sequence(t: Tensor) -> Tensor:  # (B, H, L, D) -> (B, H / N, N * L, D) in sequence order
             batch, heads, _, dim = t.shape
@@ -555,6 +601,7 @@ class _ContextParallelMode(TorchFunctionMode):
         super().__init__()
         self.cp = cp
         self.buffers = {id(buffer) for buffer in cp.module.buffers()}
+        self.by_hand = AttentionByHand(cp)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -570,6 +617,8 @@ class _ContextParallelMode(TorchFunctionMode):
                 return self._shifted_share(args[0], shift)
             elif func in _OVER_A_DIMENSION and self._along_a_share(func, args, kwargs):
                 return self._positions_counted(func, args, kwargs)
+            elif func in BY_HAND_OPS and (out := self.by_hand(func, args, kwargs)) is not NotImplemented:
+                return out
             if positions is not None:
                 return positions
             if func in _MEAN_LOSSES and len(args) == 2 and kwargs.get("reduction", "mean") == "mean":

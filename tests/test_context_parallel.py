@@ -7,6 +7,8 @@ The Trainer's runs (``ParallelStrategy(context_parallel_size=...)``) are compare
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,7 +23,7 @@ from lightdist.models import Llama
 from lightdist.planner import Cluster, Layout, ModelShape, Training, estimate
 
 from multirank import raised, run_ranks
-from zoo import HF_TINY
+from zoo import GPT, HF_TINY, CausalSelfAttention, GPTConfig
 
 pytestmark = pytest.mark.multirank
 
@@ -43,6 +45,46 @@ def hf_llama(attn_implementation: str = "sdpa", heads: int = 4, kv_heads: int = 
 def hf_causal_lm(model_type: str, **config) -> nn.Module:
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **config))
+
+
+class SlowAttention(CausalSelfAttention):
+    """nanoGPT's attention without flash: scores, the causal mask from a buffer of ones, softmax, values, by hand."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__(config)
+        block = config.block_size
+        self.register_buffer("bias", torch.tril(torch.ones(block, block)).view(1, 1, block, block))
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.size()
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, 2))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        y = F.softmax(att, dim=-1) @ v
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class EinsumAttention(SlowAttention):
+    """Scores by ``torch.einsum``, which lightdist does not read as attention."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.size()
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, 2))
+        att = torch.einsum("bhqd,bhkd->bhqk", q, k).masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        y = torch.einsum("bhqk,bhkd->bhqd", F.softmax(att, dim=-1), v)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+def nanogpt(attention: type[CausalSelfAttention]) -> nn.Module:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    for block in model.transformer.h:
+        block.attn = attention(GPTConfig())
+    return model
+
+
+def nanogpt_loss(model: nn.Module, batch: Tensor) -> Tensor:
+    return model(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())[1]
 
 
 def labels_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
@@ -140,6 +182,19 @@ def context_parallel_in_a_plain_loop() -> dict:
     alibi = hf_causal_lm("falcon", **HF_TINY, multi_query=False, new_decoder_architecture=False, alibi=True)
     cp = ContextParallel(mesh, "auto", alibi)
     results["hf_falcon_alibi_all_to_all"] = one_process_and_split(alibi, collated, labels_loss, cp)
+    # Attention written by hand: Hugging Face's "eager", BLOOM's ALiBi added by baddbmm, nanoGPT's slow path
+    eager = hf_llama("eager")
+    results["hf_llama_eager"] = one_process_and_split(
+        eager, collated, labels_loss, ContextParallel(mesh, "auto", eager)
+    )
+    bloom = hf_causal_lm("bloom", vocab_size=64, hidden_size=64, n_layer=2, n_head=4)
+    results["hf_bloom_alibi"] = one_process_and_split(
+        bloom, collated, labels_loss, ContextParallel(mesh, "auto", bloom)
+    )
+    slow = nanogpt(SlowAttention)
+    windows_of_65 = torch.randint(0, 64, (2, 65), generator=generator)
+    cp = ContextParallel(mesh, "auto", slow)
+    results["nanogpt_slow_attention"] = one_process_and_split(slow, windows_of_65, nanogpt_loss, cp)
     model = hf_llama()
     cp = ContextParallel(mesh, "ring", model)
     results["hf_llama_shifted_logits"] = one_process_and_split(model, collated, shifted_logits_loss, cp)
@@ -199,13 +254,19 @@ def context_parallel_in_a_plain_loop() -> dict:
     classifier = transformers.LlamaForSequenceClassification(
         transformers.LlamaConfig(**HF_TINY, num_key_value_heads=2, num_labels=2, pad_token_id=0)
     )
+    falcon_eager = hf_causal_lm("falcon", **HF_TINY, new_decoder_architecture=False, alibi=True)
+    falcon_eager.config._attn_implementation = "eager"
     left_padded = dict(collated, attention_mask=kept.flip(-1).long())
     labelled_padding = dict(collated, labels=tokens[:, :38])
     results["errors"] = {
         "indivisible": raised(step_on, hf_llama(), {"input_ids": tokens[:, :30]}),
         "left_padding": raised(step_on, hf_llama(), left_padded),
         "labelled_padding": raised(step_on, hf_llama(), labelled_padding),
-        "eager_attention": raised(step_on, hf_llama("eager"), collated),
+        "einsum_attention": raised(step_on, nanogpt(EinsumAttention), windows_of_65, "auto", nanogpt_loss),
+        "alibi_from_a_table": raised(
+            step_on, hf_causal_lm("mpt", vocab_size=64, d_model=64, n_layers=2, n_heads=4), collated
+        ),
+        "scores_viewed_by_share": raised(step_on, falcon_eager, collated),
         "heads_do_not_divide": raised(step_on, hf_llama(heads=3, kv_heads=3), collated, "all_to_all"),
         "labels_joined": raised(step_on, hf_llama(), collated, "auto", labels_joined),
         "two_losses_of_a_shift": raised(step_on, hf_llama(), collated, "auto", two_losses),
@@ -232,6 +293,9 @@ def plain_loop() -> dict:
         "hf_opt_ring",
         "hf_falcon_causal_mask",
         "hf_falcon_alibi_all_to_all",
+        "hf_llama_eager",
+        "hf_bloom_alibi",
+        "nanogpt_slow_attention",
         "llama_ring",
         "llama_shift_of_a_split_length",
         "llama_rolled_targets",
@@ -257,8 +321,10 @@ def test_what_cannot_be_split_is_refused_with_the_way_out(plain_loop: dict) -> N
     assert "pad_to_multiple_of=4" in errors["indivisible"]
     assert "pads on the left or masks inside a sequence. Pad on the right" in errors["left_padding"]
     assert "labels padding tokens. Label padding -100" in errors["labelled_padding"]
-    assert "computed no torch.nn.functional.scaled_dot_product_attention" in errors["eager_attention"]
-    assert "attn_implementation='sdpa'" in errors["eager_attention"]
+    assert "computed no torch.nn.functional.scaled_dot_product_attention" in errors["einsum_attention"]
+    assert "not linear in the key's position, as ALiBi's is" in errors["alibi_from_a_table"]
+    assert "then views the scores with 20 keys" in errors["scores_viewed_by_share"]
+    assert "attn_implementation='sdpa'" in errors["scores_viewed_by_share"]
     assert "3 query and 3 key/value heads (per tensor-parallel rank) do not divide" in errors["heads_do_not_divide"]
     assert "joins a batch's sequences to tensors of its own" in errors["labels_joined"]
     assert "Shift with labels[..., 1:] alone" in errors["labels_joined"]

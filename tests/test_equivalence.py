@@ -53,9 +53,11 @@ CASES = {
         "cp2_all_to_all": Case(strategy=dict(CP2, context_parallel_method="all_to_all")),
         "zoo_hf_llama_labels_cp2_ring": Case(strategy=CP2_RING, model="zoo_hf_llama_labels", seq_len=31),
         "zoo_hf_gpt2_labels_cp2": Case(strategy=CP2, model="zoo_hf_gpt2_labels", seq_len=31),
-        # positions counted by a cumulative sum of ones (OPT); ALiBi biases in the model's own causal mask (Falcon)
+        # positions counted by a cumulative sum of ones (OPT); ALiBi in the causal mask the model builds (Falcon)
         "zoo_hf_opt_labels_cp2": Case(strategy=CP2, model="zoo_hf_opt_labels", seq_len=31),
         "zoo_hf_falcon_alibi_labels_cp2": Case(strategy=CP2, model="zoo_hf_falcon_alibi_labels", seq_len=31),
+        # attention written by hand: ALiBi added by baddbmm, the scores masked and softmaxed in plain ops
+        "hf_bloom_cp2": Case(strategy=CP2, model="hf_bloom"),
         "zoo_hf_qwen2_shifted_logits_cp2": Case(strategy=CP2, model="zoo_hf_qwen2_shifted_logits", seq_len=31),
         "zoo_nanogpt_cp2_ring": Case(strategy=CP2_RING, model="zoo_nanogpt"),
         "zoo_litgpt_cp2": Case(strategy=CP2, model="zoo_litgpt"),
