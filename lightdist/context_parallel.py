@@ -472,6 +472,7 @@ class SequenceShard(Tensor):
     """
 
     cp: ContextParallel
+    ignore_appended = False  # a shift by one that kept the length by a last -100 (``labels[..., 1:]``)
 
     @staticmethod
     def __new__(cls, whole: Tensor, cp: ContextParallel) -> SequenceShard:
@@ -495,16 +496,23 @@ class SequenceShard(Tensor):
                 or _acts_on_whole(func, args, kwargs, shards)
             ):
                 out = func(*_unwrap(args, whole=True), **_unwrap(kwargs, whole=True))
+                appended = False
                 if func is Tensor.__getitem__:
-                    index = _expanded(args[1], args[0].dim())
-                    out = cp.shift_kept_whole(args[0].as_subclass(Tensor), out, index)
-                return apply_to_collection(out, Tensor, lambda t: SequenceShard(t, cp) if t.dim() >= 2 else t)
+                    index, whole = _expanded(args[1], args[0].dim()), args[0].as_subclass(Tensor)
+                    out = cp.shift_kept_whole(whole, out, index)
+                    appended = isinstance(index[1], slice) and index[1].start == 1 and out.size(1) == whole.size(1)
+                out = apply_to_collection(out, Tensor, lambda t: SequenceShard(t, cp) if t.dim() >= 2 else t)
+                if appended:
+                    out.ignore_appended = True
+                return out
             if _joins_sequences(func, args, kwargs):
+                if (shifted := _ignore_appended_again(args[0])) is not None:
+                    return shifted
                 raise ValueError(
                     f"context_parallel_size={cp.size}: the step joins a batch's sequences to tensors of its own along "
-                    "the sequence (torch.cat or hstack, as a shift that appends -100 labels does), which this rank's "
-                    "share of the sequence cannot stand for. Shift with labels[..., 1:] alone: under context "
-                    "parallelism it keeps the sequence's length and ends in -100."
+                    "the sequence (torch.cat or hstack), which this rank's share of the sequence cannot stand for. "
+                    "To shift labels, use labels[..., 1:] (under context parallelism it keeps the sequence's length "
+                    "and ends in -100), with or without a column of -100 joined after it, as torchtune does."
                 )
             return func(*_unwrap(args, whole=False), **_unwrap(kwargs, whole=False))
 
@@ -573,6 +581,18 @@ def _shares_into_tensor_parallel_modules(module: nn.Module, args: tuple) -> tupl
     if not any(isinstance(parameter, DTensor) for parameter in module.parameters(recurse=False)):
         return None
     return _unwrap(args, whole=False)
+
+
+def _ignore_appended_again(joined: Any) -> SequenceShard | None:
+    """torchtune's shift, ``hstack((labels[..., 1:], a column of -100))``: where the shift kept the sequence's
+    length by a last -100 already, the joined column adds nothing, and the shifted labels are the join."""
+    if len(joined) != 2 or not getattr(joined[0], "ignore_appended", False) or isinstance(joined[1], SequenceShard):
+        return None
+    shifted, column = joined
+    batch = shifted.as_subclass(Tensor).size(0)
+    if column.shape != (batch, 1) or not bool((column == IGNORE_INDEX).all()):
+        return None
+    return shifted
 
 
 def _tensors_in(collection: Any) -> list[Tensor]:

@@ -100,6 +100,13 @@ def shifted_logits_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
     return F.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
 
 
+def torchtune_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """torchtune's shift: the labels moved left and a column of -100 joined after them, the logits left whole."""
+    labels = batch["labels"]
+    labels = torch.hstack((labels[..., 1:], torch.full((labels.shape[0], 1), -100)))
+    return F.cross_entropy(model(input_ids=batch["input_ids"]).logits.flatten(0, 1), labels.flatten())
+
+
 def one_process_and_split(model: nn.Module, batch, loss_of, cp: ContextParallel) -> dict[str, float]:
     """The loss and gradients of ``model`` on ``batch`` in one process, and with each sequence split over the ranks:
     the largest differences, relative to the one-process values."""
@@ -198,6 +205,8 @@ def context_parallel_in_a_plain_loop() -> dict:
     model = hf_llama()
     cp = ContextParallel(mesh, "ring", model)
     results["hf_llama_shifted_logits"] = one_process_and_split(model, collated, shifted_logits_loss, cp)
+    cp = ContextParallel(mesh, "all_to_all", model)
+    results["hf_llama_torchtune_shift"] = one_process_and_split(model, collated, torchtune_loss, cp)
     # The reference Llama, whose step shifts the labels: batch[:, :-1] in, batch[:, 1:] as targets, 65 tokens
     torch.manual_seed(0)
     llama = Llama("tiny").model
@@ -231,9 +240,9 @@ def context_parallel_in_a_plain_loop() -> dict:
         with cp.active():
             return loss_of(model, cp.shard_batch(batch))
 
-    def labels_joined(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:  # torchtune's shift
+    def labels_joined(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:  # a column of labels of its own
         labels = batch["labels"]
-        labels = torch.hstack((labels[..., 1:], torch.full((labels.shape[0], 1), -100)))
+        labels = torch.hstack((labels[..., 1:], torch.zeros((labels.shape[0], 1), dtype=labels.dtype)))
         return F.cross_entropy(model(input_ids=batch["input_ids"]).logits.flatten(0, 1), labels.flatten())
 
     def reshaped_then_shifted(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:  # the view takes the share
@@ -290,6 +299,7 @@ def plain_loop() -> dict:
         "hf_llama_ring",
         "hf_llama_all_to_all",
         "hf_llama_shifted_logits",
+        "hf_llama_torchtune_shift",
         "hf_opt_ring",
         "hf_falcon_causal_mask",
         "hf_falcon_alibi_all_to_all",
@@ -327,7 +337,7 @@ def test_what_cannot_be_split_is_refused_with_the_way_out(plain_loop: dict) -> N
     assert "attn_implementation='sdpa'" in errors["scores_viewed_by_share"]
     assert "3 query and 3 key/value heads (per tensor-parallel rank) do not divide" in errors["heads_do_not_divide"]
     assert "joins a batch's sequences to tensors of its own" in errors["labels_joined"]
-    assert "Shift with labels[..., 1:] alone" in errors["labels_joined"]
+    assert "with or without a column of -100 joined after it, as torchtune does" in errors["labels_joined"]
     assert "this step computed 2 mean F.cross_entropy losses, not one" in errors["two_losses_of_a_shift"]
     assert "shifts a tensor that holds this rank's share of each sequence ((2, 20), the last" in errors["share_shifted"]
     assert "Shift the batch's own tensors first" in errors["share_shifted"]
