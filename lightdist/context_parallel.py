@@ -290,13 +290,8 @@ class ContextParallel:
         method = self._method(heads, kv_heads if dealt_whole else heads)
         if kv_heads != heads and (method == "ring" or not dealt_whole):
             key, value = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (key, value))
-        if method == "ring" and key_bias is not None:
-            raise ValueError(
-                f"context_parallel_size={self.size}: the model's attention mask adds a bias to each key's score "
-                "(ALiBi), which the ring's attention kernel cannot add; the all-to-all adds it over the whole "
-                "sequence. Use context_parallel_method='all_to_all', with query and key/value heads "
-                f"({heads} and {kv_heads} per tensor-parallel rank) divisible by context_parallel_size={self.size}."
-            )
+        if method == "ring" and key_bias is not None:  # the ring's kernel adds no bias
+            return self._gathered_attention(query, key, value, scale, key_bias)
         if method == "ring":
             return _RingAttention.apply(query, key, value, self.group, scale)
         return self._all_to_all_attention(query, key, value, scale, key_bias)
@@ -375,6 +370,17 @@ class ContextParallel:
             "(tokenizer.padding_side = 'right') and leave the mask to is_causal=True, or train with "
             "context_parallel_size=1."
         )
+
+    def _gathered_attention(
+        self, query: Tensor, key: Tensor, value: Tensor, scale: float | None, key_bias: Tensor
+    ) -> Tensor:
+        """This rank's queries over the whole sequence's keys and values, gathered, with ``key_bias`` (batch, heads, 1,
+        sequence) added under the causal mask: a bias the ring cannot add, for any head count (Llama 3's all-gather
+        of keys and values)."""
+        future = self.whole_future(query.size(2), query.device)
+        mask = torch.where(future, torch.finfo(key_bias.dtype).min, key_bias).to(query.dtype)
+        whole_key, whole_value = self.gathered(key, 2), self.gathered(value, 2)
+        return F.scaled_dot_product_attention(query, whole_key, whole_value, attn_mask=mask, scale=scale)
 
     def _method(self, heads: int, kv_heads: int) -> str:
         divisible = heads % self.size == 0 and kv_heads % self.size == 0
