@@ -11,7 +11,8 @@ sharding, read from a model built on the meta device. The rest is a model for ra
   as the pipeline keeps in flight; and the logits with their fp32 log-softmax.
 - step time: the model's FLOPs at a share (``efficiency``) of the devices' peak, stretched by recomputation and by
   the pipeline's bubble, plus ring all-reduce and all-gather time of tensor- and data-parallel traffic at the links'
-  bandwidth, and under context parallelism the ring attention's key/value blocks, with no overlap assumed.
+  bandwidth, and under context parallelism the all-to-all's heads or the ring's key/value blocks (the method "auto"
+  picks from the heads), with no overlap assumed.
 - context parallelism (``cp``) divides every activation and the logits by ``cp``; its ranks shard ZeRO state with the
   data-parallel ones. A layout takes it only where the same split without it does not fit.
 """
@@ -31,7 +32,13 @@ from torch.func import functional_call
 from lightdist.expert_parallel import expert_layout_problem, find_experts
 from lightdist.pipeline.structural import balanced_split, stage_costs
 from lightdist.structure import find_decoder_stack
-from lightdist.tensor_parallel import TensorParallelStyle, check_divisible, discover_plan, replicated_key_values
+from lightdist.tensor_parallel import (
+    TensorParallelStyle,
+    attention_heads,
+    check_divisible,
+    discover_plan,
+    replicated_key_values,
+)
 from lightdist.throughput import DecoderFlops
 from lightdist.torch_internals import FakeTensorMode
 
@@ -167,6 +174,8 @@ class ModelShape:
         self.flops = DecoderFlops.of(model)
         embedding_tables = [m for m in model.modules() if isinstance(m, nn.Embedding)]
         self.dim = self.flops.dim  # the token embedding's width
+        first_block = next(iter(self.stack.blocks.children()))
+        self.heads = next(filter(None, map(attention_heads, first_block.modules())), None)
         self.vocab = max(table.num_embeddings for table in embedding_tables)
         self._modules = dict(model.named_modules())
         self._blocks_per_stage: dict[int, list[int]] = {}
@@ -183,6 +192,11 @@ class ModelShape:
                 style, weight = self.plan.get(name), param_name == "weight"
                 expert = id(param) in experts
                 self.tensors.append(_Tensor(name, tuple(param.shape), style, weight, place, tied_copy, expert))
+
+    def context_parallel_method(self, tp: int, cp: int) -> str:
+        """The attention that ``context_parallel_method="auto"`` picks: all-to-all where each tensor-parallel rank's
+        query heads divide among the ``cp`` ranks, else the ring."""
+        return "all_to_all" if self.heads is not None and (self.heads.heads // tp) % cp == 0 else "ring"
 
     @property
     def n_layers(self) -> int:
@@ -366,9 +380,15 @@ def _step_seconds(
         tensor_parallel = blocks * layout.microbatches * 4 * ring / (cluster.intra_node_gbps * 1e9)
     context_parallel = 0.0
     if layout.cp > 1:
-        # Ring attention, per block and microbatch: each rank's keys and values (at the model's width, an upper bound
-        # under grouped-query attention) passed on cp - 1 times forward, and again with their gradients backward.
-        volume = 3 * (layout.cp - 1) * 2 * tokens * shape.dim / layout.tp * compute_bytes
+        # Per block and microbatch, at the model's width (an upper bound for keys and values under grouped-query
+        # attention). All-to-all: queries, keys, values and the output, (cp - 1) / cp of each sent forward, and their
+        # gradients backward. Ring: each rank's keys and values passed on cp - 1 times forward, and again backward
+        # with their gradients.
+        width = tokens * shape.dim / layout.tp * compute_bytes
+        if shape.context_parallel_method(layout.tp, layout.cp) == "all_to_all":
+            volume = 8 * (layout.cp - 1) / layout.cp * width
+        else:
+            volume = 3 * (layout.cp - 1) * 2 * width
         bandwidth = (
             cluster.inter_node_gbps if layout.tp * layout.cp > cluster.gpus_per_node else cluster.intra_node_gbps
         )

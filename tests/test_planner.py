@@ -172,6 +172,21 @@ def test_plan_splits_sequences_where_they_do_not_fit_otherwise(capsys: pytest.Ca
     assert " cp=" not in capsys.readouterr().out  # short sequences fit without: no split pays its ring
 
 
+def test_context_parallel_time_is_the_all_to_all_where_the_heads_divide_else_the_ring() -> None:
+    """Two models alike but for their heads: 16 divide among 4 context-parallel ranks (all-to-all: 8 x 3/4 of a
+    rank's activations a block), 2 do not (the ring: keys and values passed on 3 times forward and backward, 18)."""
+    training, cluster = Training(seq_len=32768, global_batch=2), Cluster(gpus=8)
+    layout = Layout(pp=1, dp=2, tp=1, cp=4)
+    step = {}
+    for heads in (16, 2):
+        with torch.device("meta"):
+            shape = ModelShape(Llama("small", config={"n_heads": heads, "n_kv_heads": heads}))
+        step[shape.context_parallel_method(tp=1, cp=4)] = estimate(shape, layout, training, cluster).step_s
+    width = 32768 / 4 * 512 * 2  # bytes of a rank's activations at the model's width, bf16
+    per_block = (18 - 6) * width / (cluster.intra_node_gbps * 1e9)
+    assert step["ring"] - step["all_to_all"] == pytest.approx(8 * per_block)
+
+
 def test_plan_names_what_no_split_of_the_cluster_can_satisfy(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", *LLAMA_70B, "--gpus", "3", "--global-batch", "2"])
