@@ -303,8 +303,8 @@ class ContextParallel:
         refused. Models pass one mask to every block, so it is read once."""
         if id(mask) in self._masks_read:
             return self._masks_read[id(mask)][1]
-        local_len = mask.size(-1)
-        if mask.dim() < 2 or mask.size(-2) != local_len or local_len not in self.local_lengths or mask.requires_grad:
+        local_len = mask.size(-1) if mask.dim() >= 2 else None
+        if local_len not in self.local_lengths or mask.size(-2) != local_len or mask.requires_grad:
             raise self._not_causal("a mask")
         positions = self.positions(local_len, mask.device)
         allowed = positions[None, :] <= positions[:, None]
@@ -312,7 +312,9 @@ class ContextParallel:
         causal = mask == allowed if bias is None else torch.where(allowed, mask == bias, mask <= -1e4)  # exp(-1e4) is 0
         if not bool(causal.all()):
             raise self._not_causal("a mask")
-        whole = self.bias_of_keys(bias) if bias is not None and bias.any() else None
+        whole = None if bias is None else self.bias_of_keys(bias)  # gathered on every rank, zero or not
+        if whole is not None and not whole.any():
+            whole = None
         self._masks_read[id(mask)] = (mask, whole)
         return whole
 
@@ -364,11 +366,10 @@ class ContextParallel:
 
     def _not_causal(self, given: str) -> ValueError:
         return ValueError(
-            f"context_parallel_size={self.size} splits causal attention, but the model called "
-            f"scaled_dot_product_attention with {given}: a mask of its own (left padding, packed documents, sliding "
-            "windows) or attention without one cannot be split by position. Pad on the right "
-            "(tokenizer.padding_side = 'right') and leave the mask to is_causal=True, or train with "
-            "context_parallel_size=1."
+            f"context_parallel_size={self.size} splits causal attention, but the model's attention takes {given}: a "
+            "mask other than causal (left padding, packed documents, sliding windows), or attention without one, "
+            "cannot be split by position. Pad on the right (tokenizer.padding_side = 'right') and leave the mask to "
+            "is_causal=True, or train with context_parallel_size=1."
         )
 
     def _gathered_attention(

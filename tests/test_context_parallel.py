@@ -284,6 +284,7 @@ def context_parallel_in_a_plain_loop() -> dict:
         "share_shifted": raised(step_on, hf_llama(), collated, "auto", reshaped_then_shifted),
         "shift_in_a_pipeline": raised(step_on, hf_llama(), collated, "auto", shifted_logits_loss, True),
         "per_sequence_mean": raised(step_on, llama, windows, "auto", per_sequence_mean),
+        "sliding_window": raised(step_on, hf_causal_lm("mistral", **HF_TINY, sliding_window=8), collated),
         "sequence_classification": raised(step_on, classifier, collated, "auto", sequence_classification),
     }
     return results
@@ -348,6 +349,10 @@ def test_what_cannot_be_split_is_refused_with_the_way_out(plain_loop: dict) -> N
     assert "computes mean along the sequence of a tensor that holds this rank's share" in errors["per_sequence_mean"]
     assert "(2, 32)" in errors["per_sequence_mean"] and "loss.sum() / mask.sum()" in errors["per_sequence_mean"]
     assert "computes argmax along the sequence" in errors["sequence_classification"]
+    assert (
+        "attention takes a mask: a mask other than causal (left padding, packed documents, sliding windows)"
+        in (errors["sliding_window"])
+    )
 
 
 def test_each_rank_holds_a_chunk_from_each_end() -> None:
