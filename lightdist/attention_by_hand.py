@@ -70,7 +70,8 @@ class AttentionByHand:
         return NotImplemented
 
     def _biased_scores(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """``bias.baddbmm(q, k.T)``: BLOOM's ALiBi, a bias per key, added to the scores."""
+        """``bias.baddbmm(q, k.T)``: BLOOM's ALiBi, a bias per key, added to the scores, or a causal mask of the
+        share's, made the whole sequence's."""
         named = ("input", "batch1", "batch2")
         given = dict(zip(named, args, strict=False)) | {k: kwargs[k] for k in named if k in kwargs}
         bias, queries, keys = (given.get(name) for name in named)
@@ -78,7 +79,9 @@ class AttentionByHand:
             return NotImplemented
         self.cp.attended = True
         rest = {k: v for k, v in kwargs.items() if k not in named}
-        if bias.size(-1) == queries.size(-2):
+        if rest.get("beta", 1) == 0:  # the input is left out (Megatron's buffer): only its shape would be the share's
+            bias = bias.new_zeros(())
+        elif bias.dim() >= 1 and bias.size(-1) == queries.size(-2):
             bias = self.cp.whole_key_mask(bias)
         return func(bias, queries, self.cp.gathered(keys, -1), **rest)
 

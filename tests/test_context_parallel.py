@@ -64,6 +64,19 @@ class SlowAttention(CausalSelfAttention):
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
+class BufferAttention(SlowAttention):
+    """Megatron's way: scores by ``baddbmm`` into an empty buffer (``beta=0``) over batch x heads, values by ``bmm``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.size()
+        H, D = self.n_head, C // self.n_head
+        q, k, v = (t.view(B, T, H, D).transpose(1, 2).reshape(B * H, T, D) for t in self.c_attn(x).split(C, 2))
+        att = torch.baddbmm(torch.empty(B * H, T, T), q, k.transpose(1, 2), beta=0.0, alpha=1 / math.sqrt(D))
+        att = att.view(B, H, T, -1).masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        y = torch.bmm(F.softmax(att, dim=-1).view(B * H, T, -1), v)
+        return self.c_proj(y.view(B, H, T, D).transpose(1, 2).reshape(B, T, C))
+
+
 class EinsumAttention(SlowAttention):
     """Scores by ``torch.einsum``, which lightdist does not read as attention."""
 
@@ -204,6 +217,9 @@ def context_parallel_in_a_plain_loop() -> dict:
     windows_of_65 = torch.randint(0, 64, (2, 65), generator=generator)
     cp = ContextParallel(mesh, "auto", slow)
     results["nanogpt_slow_attention"] = one_process_and_split(slow, windows_of_65, nanogpt_loss, cp)
+    buffered = nanogpt(BufferAttention)
+    cp = ContextParallel(mesh, "auto", buffered)
+    results["nanogpt_buffer_attention"] = one_process_and_split(buffered, windows_of_65, nanogpt_loss, cp)
     model = hf_llama()
     cp = ContextParallel(mesh, "ring", model)
     results["hf_llama_shifted_logits"] = one_process_and_split(model, collated, shifted_logits_loss, cp)
@@ -309,6 +325,7 @@ def plain_loop() -> dict:
         "hf_llama_eager",
         "hf_bloom_alibi",
         "nanogpt_slow_attention",
+        "nanogpt_buffer_attention",
         "llama_ring",
         "llama_shift_of_a_split_length",
         "llama_rolled_targets",
