@@ -23,8 +23,8 @@ Nothing in the user's step or model changes. While a step runs under ``ContextPa
   the bias per key of a mask the model built (ALiBi's) by all-to-all;
 - attention written by hand (``q @ k.transpose(-2, -1)``, the mask, softmax, ``@ v``) scores the rank's queries
   against the whole sequence's keys and values, gathered (``attention_by_hand``);
-- a reduction along the sequence of a rank's share (a per-sequence mean, the index of the last token) is refused: it
-  would see that share only.
+- a reduction along the sequence of a rank's share (a per-sequence mean, the index of the last token), and a shift
+  or convolution along it (RWKV's, Mamba's), are refused: they would see that share only.
 
 Each rank's loss is then the mean over its own tokens; data-parallel reduction over the data-parallel and
 context-parallel ranks together (FSDP shards over both, as torchtitan does) averages them into the batch's mean, and
@@ -465,6 +465,8 @@ _OVER_A_DIMENSION = {
     torch.cumsum, Tensor.cumprod, torch.cumprod, Tensor.softmax, torch.softmax, F.softmax, Tensor.log_softmax,
     torch.log_softmax, F.log_softmax,
 }  # fmt: skip
+# Ops that move or convolve positions: along the sequence of a rank's share, each needs its neighbours' tokens.
+_MIXING_POSITIONS = {F.pad, torch.roll, Tensor.roll, F.conv1d}
 # What a tensor is, not what it holds: the same for the whole and the rank's share, read from the whole.
 _METADATA = {Tensor.dim, Tensor.is_floating_point, Tensor.element_size, Tensor.is_contiguous, Tensor.get_device}
 
@@ -644,6 +646,8 @@ class _ContextParallelMode(TorchFunctionMode):
                 return self._shifted_share(args[0], shift)
             elif func in _OVER_A_DIMENSION and self._along_a_share(func, args, kwargs):
                 return self._positions_counted(func, args, kwargs)
+            elif func in _MIXING_POSITIONS and self._mixes_a_share(func, args, kwargs):
+                raise self._mixing_refused(func, args[0])
             elif func in BY_HAND_OPS and (out := self.by_hand(func, args, kwargs)) is not NotImplemented:
                 return out
             if positions is not None:
@@ -680,6 +684,36 @@ class _ContextParallelMode(TorchFunctionMode):
             return False  # over every dimension, or not a dimension (torch.max(a, b), var(unbiased))
         over = {d % tensor.dim() for d in dims}
         return 1 in over and 0 not in over
+
+    def _mixes_a_share(self, func: Any, args: tuple, kwargs: dict) -> bool:
+        """Whether ``func`` moves or convolves positions along the sequence of this rank's share: a pad or roll
+        along it (RWKV's token shift), a convolution over it wider than one token (Mamba's causal convolution)."""
+        tensor = args[0]
+        if func is F.conv1d:
+            weight = args[1] if len(args) > 1 else kwargs["weight"]
+            return (tensor.size(0), tensor.size(-1)) in self.cp.split_shapes and weight.size(-1) > 1
+        if tensor.dim() < 2 or tuple(tensor.shape[:2]) not in self.cp.split_shapes:
+            return False
+        if func is F.pad:
+            pad = args[1] if len(args) > 1 else kwargs["pad"]
+            if isinstance(tensor, SequenceShard) and tensor.dim() == 2 and len(pad) == 2:
+                return False  # the whole sequence padded
+            at = 2 * (tensor.dim() - 2)  # pad lists (before, after) per dimension from the last
+            return any(pad[at : at + 2])
+        if isinstance(tensor, SequenceShard):
+            return False  # rolled whole
+        dims = kwargs.get("dims", args[2] if len(args) > 2 else None)
+        dims = dims if isinstance(dims, tuple | list) else (dims,)
+        return None in dims or 1 in {d % tensor.dim() for d in dims}
+
+    def _mixing_refused(self, func: Any, tensor: Tensor) -> ValueError:
+        return ValueError(
+            f"context_parallel_size={self.cp.size}: the model computes {getattr(func, '__name__', func)} along the "
+            f"sequence of a tensor that holds this rank's share of each sequence ({tuple(tensor.shape)}), which "
+            "needs the tokens next to the share, held by other ranks: a token shift (RWKV's) or a convolution over "
+            "positions (Mamba's). Context parallelism splits attention models; train this one with "
+            "context_parallel_size=1."
+        )
 
     def _positions_counted(self, func: Any, args: tuple, kwargs: dict) -> Tensor:
         """A cumulative sum of ones along the sequence counts positions (OPT's, and ALiBi's in Falcon, from a mask of

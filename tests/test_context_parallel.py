@@ -281,6 +281,11 @@ def context_parallel_in_a_plain_loop() -> dict:
     classifier = transformers.LlamaForSequenceClassification(
         transformers.LlamaConfig(**HF_TINY, num_key_value_heads=2, num_labels=2, pad_token_id=0)
     )
+    # Attention beside Mamba layers (a causal convolution over positions), and RWKV's token shift (a pad by one)
+    jamba = hf_causal_lm(
+        "jamba", **HF_TINY, num_experts=2, attn_layer_period=2, attn_layer_offset=1, use_mamba_kernels=False
+    )
+    rwkv = hf_causal_lm("rwkv", vocab_size=64, hidden_size=64, num_hidden_layers=2, attention_hidden_size=64)
     falcon_eager = hf_causal_lm("falcon", **HF_TINY, new_decoder_architecture=False, alibi=True)
     falcon_eager.config._attn_implementation = "eager"
     left_padded = dict(collated, attention_mask=kept.flip(-1).long())
@@ -301,6 +306,8 @@ def context_parallel_in_a_plain_loop() -> dict:
         "shift_in_a_pipeline": raised(step_on, hf_llama(), collated, "auto", shifted_logits_loss, True),
         "per_sequence_mean": raised(step_on, llama, windows, "auto", per_sequence_mean),
         "sliding_window": raised(step_on, hf_causal_lm("mistral", **HF_TINY, sliding_window=8), collated),
+        "hybrid_with_mamba": raised(step_on, jamba, collated),
+        "token_shift": raised(step_on, rwkv, collated),
         "sequence_classification": raised(step_on, classifier, collated, "auto", sequence_classification),
     }
     return results
@@ -366,6 +373,8 @@ def test_what_cannot_be_split_is_refused_with_the_way_out(plain_loop: dict) -> N
     assert "computes mean along the sequence of a tensor that holds this rank's share" in errors["per_sequence_mean"]
     assert "(2, 32)" in errors["per_sequence_mean"] and "loss.sum() / mask.sum()" in errors["per_sequence_mean"]
     assert "computes argmax along the sequence" in errors["sequence_classification"]
+    assert "computes conv1d along the sequence of a tensor that holds this rank's share" in errors["hybrid_with_mamba"]
+    assert "computes pad along the sequence" in errors["token_shift"] and "RWKV's" in errors["token_shift"]
     assert (
         "attention takes a mask: a mask other than causal (left padding, packed documents, sliding windows)"
         in (errors["sliding_window"])
