@@ -5,11 +5,11 @@ Eager attention computes ``softmax(q @ k.T * scale + mask) @ v`` in plain ops (B
 rank's queries against its own keys only. While a step runs, its ops are recognised by their shapes and each made
 the whole sequence's:
 
-- ``q @ k.T`` (``matmul``, ``bmm``, ``baddbmm``) takes the keys of every rank, gathered in sequence order: the scores
-  are (..., local length, whole length);
+- ``q @ k.T`` (``matmul``, ``bmm``, ``baddbmm``, ``einsum``) takes the keys of every rank, gathered in sequence
+  order: the scores are (..., local length, whole length);
 - a causal mask the model made for its share, added or filled into those scores, becomes the causal mask of the
   rank's queries over the whole sequence; a bias per key (ALiBi's), gathered from every rank, is added over all keys;
-- ``probs @ v`` takes the values of every rank.
+- ``probs @ v`` (``matmul``, ``bmm``, ``einsum``) takes the values of every rank.
 
 The gathers send their gradients back to the ranks that hold the keys and values. Each rank holds scores of its
 queries over the whole sequence: 1/N of one process's.
@@ -33,7 +33,7 @@ _BIASED_PRODUCTS = {torch.baddbmm, Tensor.baddbmm}
 _ADDITIONS = {torch.add, Tensor.add, Tensor.add_, Tensor.__add__, Tensor.__radd__, Tensor.__iadd__}
 _FILLS = {torch.masked_fill, Tensor.masked_fill, Tensor.masked_fill_}
 _VIEWS = {Tensor.view, Tensor.reshape, torch.reshape}
-BY_HAND_OPS = _PRODUCTS | _BIASED_PRODUCTS | _ADDITIONS | _FILLS | _VIEWS
+BY_HAND_OPS = _PRODUCTS | _BIASED_PRODUCTS | _ADDITIONS | _FILLS | _VIEWS | {torch.einsum}
 
 
 class AttentionByHand:
@@ -54,6 +54,9 @@ class AttentionByHand:
                 return func(queries, self.cp.gathered(keys, -2))
         if func in _BIASED_PRODUCTS:
             return self._biased_scores(func, args, kwargs)
+        if func is torch.einsum:
+            operands = args[1] if len(args) == 2 and isinstance(args[1], tuple | list) else args[1:]
+            return self._einsum(args[0], *operands) if len(operands) == 2 else NotImplemented
         if func in _ADDITIONS and len(args) == 2 and all(isinstance(a, Tensor) for a in args):
             scores_first = self._whole_scores(args[0])
             scores, mask = args if scores_first else args[::-1]
@@ -84,6 +87,33 @@ class AttentionByHand:
         elif bias.dim() >= 1 and bias.size(-1) == queries.size(-2):
             bias = self.cp.whole_key_mask(bias)
         return func(bias, queries, self.cp.gathered(keys, -1), **rest)
+
+    def _einsum(self, equation: str, first: Tensor, second: Tensor) -> Any:
+        """Scores (``"bhid,bhjd->bhij"``: a position of each operand kept, a head dim contracted) or weighted values
+        (``"bhij,bhjd->bhid"``: the values' positions contracted against the scores' whole sequence) by ``einsum``,
+        the second operand's positions gathered from every rank."""
+        spec = equation.replace(" ", "")
+        if "..." in spec or "->" not in spec or spec.count(",") != 1:
+            return NotImplemented
+        (ours, theirs), out = spec.split("->")[0].split(","), spec.split("->")[1]
+        if isinstance(first, DTensor) or isinstance(second, DTensor):
+            return NotImplemented
+        if len(ours) != first.dim() or len(theirs) != second.dim():
+            return NotImplemented
+        size, their_size = dict(zip(ours, first.shape, strict=True)), dict(zip(theirs, second.shape, strict=True))
+        for position in theirs:
+            length = their_size[position]
+            if length not in self.cp.local_lengths:
+                continue
+            queries = [i for i in ours if i not in theirs and i in out and size[i] == length]
+            head_dims = [d for d in ours if d in theirs and d not in out and size[d] > 1]
+            scores = position not in ours and position in out and queries and head_dims
+            weighted = position in ours and position not in out and size[position] == length * self.cp.size
+            if scores:
+                self.cp.attended = True
+            if scores or weighted:
+                return torch.einsum(equation, first, self.cp.gathered(second, theirs.index(position)))
+        return NotImplemented
 
     def _check_view(self, scores: Tensor, shape: tuple) -> None:
         """Scores over the whole sequence viewed as scores over the share's keys (Falcon's eager attention views them

@@ -56,6 +56,7 @@ __all__ = [
     "ContextParallel",
     "ContextParallelMethod",
     "SequenceShard",
+    "auto_method",
     "context_mesh",
     "context_parallel_over",
     "load_balanced_positions",
@@ -84,6 +85,13 @@ def context_parallel_over(
     return ContextParallel(context_mesh(mesh, cp)["cp"], method, module, pipelined=mesh["pp"].size() > 1)
 
 
+def auto_method(heads: int, cp: int) -> Literal["ring", "all_to_all"]:
+    """What ``context_parallel_method="auto"`` picks for ``heads`` query heads (per tensor-parallel rank): the
+    all-to-all where they divide among the ``cp`` ranks (key/value heads that do not are repeated to them), since it
+    moves each activation once where the ring passes every key and value block around; else the ring."""
+    return "all_to_all" if heads % cp == 0 else "ring"
+
+
 def load_balanced_positions(seq_len: int, size: int, rank: int, device: torch.device | None = None) -> Tensor:
     """The positions of a ``seq_len`` sequence that context-parallel ``rank`` of ``size`` holds: chunks ``rank`` and
     ``2 * size - 1 - rank`` of ``2 * size``."""
@@ -103,8 +111,7 @@ class ContextParallel:
 
     Args:
         mesh: The context-parallel ranks (``context_mesh(...)["cp"]``).
-        method: ``"ring"``, ``"all_to_all"``, or ``"auto"``: all-to-all where the heads divide among the ranks (it
-            moves each activation once, where the ring passes every key and value block around), else the ring.
+        method: ``"ring"``, ``"all_to_all"``, or ``"auto"`` (``auto_method``).
         module: The model whose buffers may hold tables indexed by position.
         pipelined: Whether ``module`` runs as pipeline stages, which count a microbatch's tokens before its loss.
     """
@@ -243,9 +250,10 @@ class ContextParallel:
             raise ValueError(
                 f"context_parallel_size={self.size}: the model took this rank's share of each sequence but computed "
                 "no torch.nn.functional.scaled_dot_product_attention over it, nor scores by hand (q @ k.transpose(-2, "
-                "-1), bmm or baddbmm), so its attention (einsum, or a kernel lightdist cannot see into) would attend "
-                "within each rank's share only. Load Hugging Face models with attn_implementation='sdpa'; in your "
-                "own attention, call F.scaled_dot_product_attention(q, k, v, is_causal=True)."
+                "-1), bmm, baddbmm or einsum), so its attention (scores by broadcasting, or a kernel lightdist cannot "
+                "see into) would attend within each rank's share only. Load Hugging Face models with "
+                "attn_implementation='sdpa'; in your own attention, call "
+                "F.scaled_dot_product_attention(q, k, v, is_causal=True)."
             )
         if self.shifted and self.loss_tokens() is None:
             raise ValueError(
@@ -384,14 +392,13 @@ class ContextParallel:
         return F.scaled_dot_product_attention(query, whole_key, whole_value, attn_mask=mask, scale=scale)
 
     def _method(self, heads: int, kv_heads: int) -> str:
-        divisible = heads % self.size == 0 and kv_heads % self.size == 0
-        if self.method == "all_to_all" and not divisible:
+        if self.method == "all_to_all" and (heads % self.size or kv_heads % self.size):
             raise ValueError(
                 f"context_parallel_method='all_to_all' deals the heads out over the context-parallel ranks, but "
                 f"{heads} query and {kv_heads} key/value heads (per tensor-parallel rank) do not divide by "
                 f"context_parallel_size={self.size}. Use context_parallel_method='ring' (or 'auto')."
             )
-        return "all_to_all" if self.method == "all_to_all" or (self.method == "auto" and divisible) else "ring"
+        return auto_method(heads, self.size) if self.method == "auto" else self.method
 
     def _all_to_all_attention(
         self, query: Tensor, key: Tensor, value: Tensor, scale: float | None, key_bias: Tensor | None = None

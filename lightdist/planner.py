@@ -29,12 +29,13 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from lightdist.context_parallel import auto_method
 from lightdist.expert_parallel import expert_layout_problem, find_experts
 from lightdist.pipeline.structural import balanced_split, stage_costs
 from lightdist.structure import find_decoder_stack
 from lightdist.tensor_parallel import (
     TensorParallelStyle,
-    attention_heads,
+    block_attention_heads,
     check_divisible,
     discover_plan,
     replicated_key_values,
@@ -174,8 +175,7 @@ class ModelShape:
         self.flops = DecoderFlops.of(model)
         embedding_tables = [m for m in model.modules() if isinstance(m, nn.Embedding)]
         self.dim = self.flops.dim  # the token embedding's width
-        first_block = next(iter(self.stack.blocks.children()))
-        self.heads = next(filter(None, map(attention_heads, first_block.modules())), None)
+        self.heads = block_attention_heads(self.stack)
         self.vocab = max(table.num_embeddings for table in embedding_tables)
         self._modules = dict(model.named_modules())
         self._blocks_per_stage: dict[int, list[int]] = {}
@@ -194,9 +194,8 @@ class ModelShape:
                 self.tensors.append(_Tensor(name, tuple(param.shape), style, weight, place, tied_copy, expert))
 
     def context_parallel_method(self, tp: int, cp: int) -> str:
-        """The attention that ``context_parallel_method="auto"`` picks: all-to-all where each tensor-parallel rank's
-        query heads divide among the ``cp`` ranks, else the ring."""
-        return "all_to_all" if self.heads is not None and (self.heads.heads // tp) % cp == 0 else "ring"
+        """The attention that ``context_parallel_method="auto"`` picks (the ring where the heads are not found)."""
+        return "ring" if self.heads is None else auto_method(self.heads.heads // tp, cp)
 
     @property
     def n_layers(self) -> int:

@@ -156,6 +156,12 @@ def attention_heads(module: nn.Module) -> AttentionHeads | None:
     return None
 
 
+def block_attention_heads(stack: DecoderStack) -> AttentionHeads | None:
+    """The head counts of the attention in the stack's first block; ``None`` where none is found."""
+    first_block = next(iter(stack.blocks.children()))
+    return next(filter(None, map(attention_heads, first_block.modules())), None)
+
+
 def _configs(module: nn.Module) -> dict[str, object]:
     """The module's attributes that are plain objects carrying head counts: the config its code reads them from."""
     return {

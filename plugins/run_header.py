@@ -9,14 +9,18 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightdist.context_parallel import auto_method
 from lightdist.expert_parallel import find_experts
 from lightdist.parallelize import ParallelConfig
 from lightdist.planner import Estimate, GiB
 from lightdist.plugins.auto_layout import planned_layout
+from lightdist.structure import find_decoder_stack
+from lightdist.tensor_parallel import block_attention_heads
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightdist.layout import ParallelLayout
     from lightdist.plugins.strategy import ParallelStrategy
 
 __all__ = ["announce_run", "run_header"]
@@ -59,7 +63,7 @@ def run_header(
     ]
     split = []
     if layout.cp > 1:
-        split.append(f"each sequence split over {layout.cp} ranks (attention: {run['context_parallel_method']})")
+        split.append(f"each sequence split over {layout.cp} ranks (attention: {_attention(module, run, layout)})")
     if run["expert_parallel_size"] > 1:
         split.append(f"experts split over {run['expert_parallel_size']} data-parallel ranks")
     if layout.pp > 1:
@@ -73,6 +77,18 @@ def run_header(
         lines.append("  " + ", ".join(split))
     lines += _memory(estimate, why_not) + _destinations(trainer, strategy)
     return "\n".join(lines)
+
+
+def _attention(module: pl.LightningModule, run: dict[str, Any], layout: ParallelLayout) -> str:
+    """How attention spans a split sequence: the method given, or the one ``"auto"`` picks from the model's heads."""
+    method = run["context_parallel_method"]
+    if method != "auto":
+        return method
+    try:
+        heads = block_attention_heads(find_decoder_stack(module))
+    except ValueError:  # no stack of blocks: the header must not stop a run
+        heads = None
+    return method if heads is None else f"{auto_method(heads.heads // layout.tp, layout.cp)}, auto"
 
 
 def _planned_memory(strategy: ParallelStrategy, config: ParallelConfig) -> tuple[Estimate | None, str]:

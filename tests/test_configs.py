@@ -102,6 +102,8 @@ def test_every_config_trains_on_two_cpu_ranks(
     # runs, the saved configs or the checkpoints, local or in the bucket.
     secret = os.environ["AWS_SECRET_ACCESS_KEY"].encode()
     printed = capfd.readouterr()
+    # The tiny Llama's 4 heads divide between the 2 ranks that split each window: "auto" deals them out.
+    assert "each sequence split over 2 ranks (attention: all_to_all, auto)" in printed.out + printed.err
     assert secret not in (printed.out + printed.err).encode()
     written = [path for path in tmp_path.rglob("*") if path.is_file() and secret in path.read_bytes()]
     uploaded = [key for key in s3.find("lightdist") if secret in s3.cat_file(key)]

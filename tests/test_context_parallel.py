@@ -78,13 +78,25 @@ class BufferAttention(SlowAttention):
 
 
 class EinsumAttention(SlowAttention):
-    """Scores by ``torch.einsum``, which lightdist does not read as attention."""
+    """Scores and values by ``torch.einsum``, as lucidrains' x-transformers writes them."""
 
     def forward(self, x: Tensor) -> Tensor:
         B, T, C = x.size()
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, 2))
-        att = torch.einsum("bhqd,bhkd->bhqk", q, k).masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
-        y = torch.einsum("bhqk,bhkd->bhqd", F.softmax(att, dim=-1), v)
+        att = torch.einsum("b h i d, b h j d -> b h i j", q, k) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        y = torch.einsum("b h i j, b h j d -> b h i d", F.softmax(att, dim=-1), v)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class BroadcastAttention(SlowAttention):
+    """Scores by broadcasting and summing, which lightdist does not read as attention."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.size()
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, 2))
+        att = (q[..., :, None, :] * k[..., None, :, :]).sum(-1).masked_fill(self.bias[:, :, :T, :T] == 0, -1e9)
+        y = F.softmax(att, dim=-1) @ v
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -220,6 +232,9 @@ def context_parallel_in_a_plain_loop() -> dict:
     buffered = nanogpt(BufferAttention)
     cp = ContextParallel(mesh, "auto", buffered)
     results["nanogpt_buffer_attention"] = one_process_and_split(buffered, windows_of_65, nanogpt_loss, cp)
+    einsum = nanogpt(EinsumAttention)
+    cp = ContextParallel(mesh, "auto", einsum)
+    results["nanogpt_einsum_attention"] = one_process_and_split(einsum, windows_of_65, nanogpt_loss, cp)
     model = hf_llama()
     cp = ContextParallel(mesh, "ring", model)
     results["hf_llama_shifted_logits"] = one_process_and_split(model, collated, shifted_logits_loss, cp)
@@ -294,7 +309,7 @@ def context_parallel_in_a_plain_loop() -> dict:
         "indivisible": raised(step_on, hf_llama(), {"input_ids": tokens[:, :30]}),
         "left_padding": raised(step_on, hf_llama(), left_padded),
         "labelled_padding": raised(step_on, hf_llama(), labelled_padding),
-        "einsum_attention": raised(step_on, nanogpt(EinsumAttention), windows_of_65, "auto", nanogpt_loss),
+        "broadcast_attention": raised(step_on, nanogpt(BroadcastAttention), windows_of_65, "auto", nanogpt_loss),
         "alibi_from_a_table": raised(
             step_on, hf_causal_lm("mpt", vocab_size=64, d_model=64, n_layers=2, n_heads=4), collated
         ),
@@ -333,6 +348,7 @@ def plain_loop() -> dict:
         "hf_bloom_alibi",
         "nanogpt_slow_attention",
         "nanogpt_buffer_attention",
+        "nanogpt_einsum_attention",
         "llama_ring",
         "llama_shift_of_a_split_length",
         "llama_rolled_targets",
@@ -358,7 +374,7 @@ def test_what_cannot_be_split_is_refused_with_the_way_out(plain_loop: dict) -> N
     assert "pad_to_multiple_of=4" in errors["indivisible"]
     assert "pads on the left or masks inside a sequence. Pad on the right" in errors["left_padding"]
     assert "labels padding tokens. Label padding -100" in errors["labelled_padding"]
-    assert "computed no torch.nn.functional.scaled_dot_product_attention" in errors["einsum_attention"]
+    assert "computed no torch.nn.functional.scaled_dot_product_attention" in errors["broadcast_attention"]
     assert "not linear in the key's position, as ALiBi's is" in errors["alibi_from_a_table"]
     assert "then views the scores with 20 keys" in errors["scores_viewed_by_share"]
     assert "attn_implementation='sdpa'" in errors["scores_viewed_by_share"]
