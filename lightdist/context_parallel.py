@@ -50,6 +50,8 @@ from torch.overrides import TorchFunctionMode
 from lightdist.attention_by_hand import BY_HAND_OPS, AttentionByHand
 from lightdist.expert_parallel import all_to_all_rows
 from lightdist.loss_tokens import IGNORE_INDEX
+from lightdist.structure import find_decoder_stack
+from lightdist.tensor_parallel import block_attention_heads
 from lightdist.torch_internals import ring_attention_backward, ring_attention_forward, subclass_dispatch_disabled
 
 __all__ = [
@@ -82,7 +84,24 @@ def context_parallel_over(
     ``"dp"``; ``None`` where ``cp`` is 1."""
     if cp == 1:
         return None
+    if method == "all_to_all":
+        _check_heads_deal_out(module, mesh["tp"].size(), cp)
     return ContextParallel(context_mesh(mesh, cp)["cp"], method, module, pipelined=mesh["pp"].size() > 1)
+
+
+def _check_heads_deal_out(module: nn.Module, tp: int, cp: int) -> None:
+    """The all-to-all's heads, checked as the run starts, before memory is allocated, where the model's blocks name
+    them; where they do not, attention checks them as it runs."""
+    try:
+        heads = block_attention_heads(find_decoder_stack(module))
+    except ValueError:  # no stack of blocks found
+        return
+    if heads is not None and (heads.heads // tp) % cp:
+        raise ValueError(
+            f"context_parallel_method='all_to_all' deals the heads out over the context-parallel ranks, but the "
+            f"model's {heads.heads_attribute}={heads.heads} ({heads.heads // tp} per tensor-parallel rank) do not "
+            f"divide by context_parallel_size={cp}. Use context_parallel_method='ring' (or 'auto')."
+        )
 
 
 def auto_method(heads: int, cp: int) -> Literal["ring", "all_to_all"]:

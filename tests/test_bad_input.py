@@ -376,10 +376,24 @@ def errors_on_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
         global_batch_of_three=(fit_a_global_batch_of_three_on_two_ranks, ()),
         fewer_wider_blocks=(fit_llama, ({"n_layers": 3, "ffn_dim": 192}, PIPELINE, checkpoint)),
         more_blocks=(fit_llama, ({"n_layers": 5}, PIPELINE, checkpoint)),
+        heads_for_all_to_all=(fit_llama, ({"n_heads": 1, "n_kv_heads": 1}, ALL_TO_ALL)),
     )
     calls = [(fit_llama, ({}, PIPELINE, None, checkpoint))] + [(raised, (fit, *args)) for fit, args in fits.values()]
     (_, *errors), _ = run_ranks(2, run_each, calls)
     return dict(zip(fits, errors, strict=True))
+
+
+ALL_TO_ALL = dict(context_parallel_size=2, context_parallel_method="all_to_all")
+
+
+@pytest.mark.multirank
+def test_heads_that_do_not_deal_out_are_refused_as_the_run_starts(errors_on_two_ranks: dict[str, str]) -> None:
+    message = (
+        "context_parallel_method='all_to_all' deals the heads out over the context-parallel ranks, but the model's "
+        "num_heads=1 (1 per tensor-parallel rank) do not divide by context_parallel_size=2. Use "
+        "context_parallel_method='ring' (or 'auto')."
+    )
+    assert message in errors_on_two_ranks["heads_for_all_to_all"]
 
 
 def test_model_without_a_block_list_names_what_it_saw() -> None:
