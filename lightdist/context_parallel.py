@@ -211,10 +211,7 @@ class ContextParallel:
                 return tensor.as_subclass(Tensor)
             if tensor.dim() < 2 or tensor.size(1) not in self.local_lengths:
                 return tensor
-            shares = [torch.empty_like(tensor) for _ in range(self.size)]
-            dist.all_gather(shares, tensor.contiguous(), group=self.group)
-            _, order = self.arrival_order(tensor.size(1), tensor.device)
-            return torch.cat(shares, dim=1).index_select(1, order)
+            return self.gathered(tensor, 1)
 
         return apply_to_collection(output, Tensor, whole)
 
