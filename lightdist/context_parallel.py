@@ -53,6 +53,7 @@ from lightdist.loss_tokens import IGNORE_INDEX
 from lightdist.structure import find_decoder_stack
 from lightdist.tensor_parallel import block_attention_heads
 from lightdist.torch_internals import ring_attention_backward, ring_attention_forward, subclass_dispatch_disabled
+from lightdist.traced_calls import as_called
 
 __all__ = [
     "ContextParallel",
@@ -201,6 +202,11 @@ class ContextParallel:
             for key, value in batch.items()
         }
         return {**padded, "attention_mask": None} if isinstance(mask, Tensor) else padded
+
+    def shares(self, tree: Any) -> Any:
+        """``tree`` with each ``SequenceShard`` made this rank's share: a pipeline stage traced from it runs on
+        shares."""
+        return _unwrap(tree, whole=False)
 
     def whole_sequences(self, output: Any) -> Any:
         """``output`` of a step on this rank's shares (a prediction's logits) with each sequence gathered whole, in
@@ -658,6 +664,7 @@ class _ContextParallelMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.cp.local_lengths:
+            func, args, kwargs = as_called(func, args, kwargs)  # a traced pipeline stage's aten ops
             if func is F.scaled_dot_product_attention and args[0].size(-2) in self.cp.local_lengths:
                 return self.cp.attention(*args, **kwargs)
             positions = None

@@ -46,12 +46,6 @@ def validate_options(
             f"non_finite={non_finite!r} is not one of 'skip' (leave the weights as they were), 'rollback' (load the "
             "newest checkpoint), 'stop' (raise, naming the step) or None (check nothing)."
         )
-    if sizes.cp > 1 and config.pipeline_tracer:
-        raise ValueError(
-            f"context_parallel_size={sizes.cp} with pipeline_tracer=True is not supported yet: the tracer fixes each "
-            "stage's shapes from whole sequences. Cut stages by structure (pipeline_tracer=False), or use "
-            "context_parallel_size=1."
-        )
     if config.pipeline_tracer and sizes.tp != 1:
         raise ValueError(
             "pipeline_tracer=True traces each block into a graph with its head counts fixed, which tensor "

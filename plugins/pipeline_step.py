@@ -539,8 +539,10 @@ def pipeline_step_over(
 
 def example_model_call(module: LightningModule, microbatches: int) -> tuple[tuple, dict]:
     """One microbatch of the model call the run's step makes, for the tracer: learned from the first batch of the
-    data the run starts on, on the device the parameters are on now."""
+    data the run starts on, on the device the parameters are on now; under context parallelism, this rank's share
+    of its sequences, which the stages run on."""
     trainer = module.trainer
+    context_parallel = getattr(trainer.strategy, "context_parallel", None)
     loop, step_name = {
         TrainerFn.FITTING: (trainer.fit_loop, "training_step"),
         TrainerFn.VALIDATING: (trainer.validate_loop, "validation_step"),
@@ -549,7 +551,9 @@ def example_model_call(module: LightningModule, microbatches: int) -> tuple[tupl
     }[trainer.state.fn]
     batch, _, _ = next(iter(CombinedLoader(data_source(loop).dataloader(), "sequential")))
     batch = batch_on_device(module, batch, next(module.parameters()).device)
+    if context_parallel is not None:
+        batch = context_parallel.shard_batch(batch)
     step = getattr(type(module), step_name)
     first = cut_batch(batch, microbatches)[0]
     call = model_call_of(module, lambda microbatch: step(module, microbatch, 0), first, metrics_of(module), [""])
-    return call.args, call.kwargs
+    return context_parallel.shares((call.args, call.kwargs)) if context_parallel else (call.args, call.kwargs)

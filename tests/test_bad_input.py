@@ -70,10 +70,6 @@ def test_under_torchrun_the_error_names_the_launchers_world_size(monkeypatch: py
         (dict(tensor_parallel_size=0), r"tensor_parallel_size=0 must be a positive integer or 'auto' or 'node'"),
         (dict(context_parallel_size=0), r"context_parallel_size=0 must be a positive integer\.$"),
         (dict(context_parallel_method="ulysses"), r"context_parallel_method='ulysses' is not one of 'auto', 'ring'"),
-        (
-            dict(context_parallel_size=2, pipeline_parallel_size=2, pipeline_tracer=True),
-            r"context_parallel_size=2 with pipeline_tracer=True is not supported yet",
-        ),
         (dict(pipeline_parallel_size="four"), r"pipeline_parallel_size='four' must be a positive integer or 'auto'"),
         (dict(virtual_stages=2), r"pipeline_schedule='1f1b' runs one stage per rank, but virtual_stages=2. Use"),
         (dict(async_checkpoint="daemon"), r"async_checkpoint='daemon' is not one of 'process' \(upload from a daemon"),

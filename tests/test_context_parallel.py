@@ -8,6 +8,7 @@ The Trainer's runs (``ParallelStrategy(context_parallel_size=...)``) are compare
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,9 +18,10 @@ import transformers
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightdist.context_parallel import ContextParallel, load_balanced_positions
+from lightdist.context_parallel import ContextParallel, SequenceShard, load_balanced_positions
 from lightdist.loss_tokens import labelled_tokens
 from lightdist.models import Llama
+from lightdist.pipeline.traced import trace_stages
 from lightdist.planner import Cluster, Layout, ModelShape, Training, estimate
 
 from multirank import raised, run_ranks
@@ -110,6 +112,23 @@ def nanogpt(attention: type[CausalSelfAttention]) -> nn.Module:
 
 def nanogpt_loss(model: nn.Module, batch: Tensor) -> Tensor:
     return model(batch[:, :-1].contiguous(), batch[:, 1:].contiguous())[1]
+
+
+def traced_nanogpt_loss(
+    model: nn.Module, windows: Tensor, cp: ContextParallel
+) -> Callable[[nn.Module, Tensor], Tensor]:
+    """nanoGPT's loss with the model cut by torch's tracer into one pipeline stage, traced from this rank's share of
+    ``windows`` as a traced pipeline's stages are, and called with the shares, as the pipeline calls its first stage:
+    it runs the aten ops torch.export recorded. One process calls the model."""
+    share = tuple(cp.local(t.contiguous()) for t in (windows[:, :-1], windows[:, 1:]))
+    blocks = [f"transformer.h.{index}" for index in range(len(model.transformer.h))]
+    (stage,) = trace_stages(model, (share, {}), blocks, [len(blocks)], torch.device("cpu"))
+
+    def loss_of(model: nn.Module, batch: Tensor) -> Tensor:
+        inputs = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        return stage(*cp.shares(inputs))[1] if isinstance(batch, SequenceShard) else model(*inputs)[1]
+
+    return loss_of
 
 
 def labels_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
@@ -235,6 +254,11 @@ def context_parallel_in_a_plain_loop() -> dict:
     einsum = nanogpt(EinsumAttention)
     cp = ContextParallel(mesh, "auto", einsum)
     results["nanogpt_einsum_attention"] = one_process_and_split(einsum, windows_of_65, nanogpt_loss, cp)
+    # The same attention in a pipeline stage cut by torch's tracer, which runs aten ops (aten.matmul, aten.slice)
+    cp = ContextParallel(mesh, "auto", slow)
+    results["nanogpt_slow_attention_traced"] = one_process_and_split(
+        slow, windows_of_65, traced_nanogpt_loss(slow, windows_of_65, cp), cp
+    )
     model = hf_llama()
     cp = ContextParallel(mesh, "ring", model)
     results["hf_llama_shifted_logits"] = one_process_and_split(model, collated, shifted_logits_loss, cp)
@@ -347,6 +371,7 @@ def plain_loop() -> dict:
         "hf_llama_eager",
         "hf_bloom_alibi",
         "nanogpt_slow_attention",
+        "nanogpt_slow_attention_traced",
         "nanogpt_buffer_attention",
         "nanogpt_einsum_attention",
         "llama_ring",

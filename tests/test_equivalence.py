@@ -243,6 +243,11 @@ CASES = {
         ),
         "zoo_nanogpt_pp2_cp2_ring": Case(strategy=dict(PP2, **CP2_RING), model="zoo_nanogpt"),
         "zoo_litgpt_pp2_cp2": Case(strategy=dict(PP2, **CP2), model="zoo_litgpt"),
+        # stages cut by torch's tracer, traced from a rank's share: positions learned (arange), and rotary (a table)
+        "pp2_cp2_traced_sequential_blocks_tied": Case(strategy=dict(PP2, **CP2), model="sequential_blocks"),
+        "pp2_cp2_traced_on_request_clip": Case(
+            strategy=dict(PP2, **CP2, microbatches=4, pipeline_tracer=True), gradient_clip_val=0.1
+        ),
         # experts split over 2 of the 4 ranks that reduce gradients (dp2 x cp2), tokens of half-sequences routed
         "moe_cp2_ep2": Case(strategy=dict(CP2, expert_parallel_size=2), model="moe_lm_only"),
         # Collator batches: the attention mask dropped (padding on the right, unlabelled), ranks holding different

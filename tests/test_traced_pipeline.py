@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightdist.activation_checkpointing import apply_activation_checkpointing
 from lightdist.pipeline.traced import TracedInput, drop_other_stages, trace_stages, traced_stage_sizes
 from lightdist.structure import find_repeated_blocks
+from lightdist.traced_calls import as_called
 
 from training import SequentialBlocksLM, TwoStreamLM
 
@@ -150,3 +152,41 @@ def test_the_tracer_hands_every_stream_to_the_next_stage() -> None:
     handed_on = first(tokens)
     assert len(handed_on) == 2  # the hidden states and the residual stream
     torch.testing.assert_close(last(*handed_on), model(tokens))
+
+
+class CallsWhatContextParallelismReads(nn.Module):
+    """Positions by ``arange``, a table's rows by slicing, scores by hand, a reduction over positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.randn(64, 16))
+
+    def forward(self, x: Tensor) -> Tensor:
+        positions = self.table[: x.size(1)] + torch.arange(x.size(1))[:, None]
+        scores = (x + positions) @ x.transpose(-2, -1)
+        return scores.softmax(-1)[:, 1:].sum(1)
+
+
+class Calls(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        func, args, kwargs = as_called(func, args, kwargs or {})
+        self.made.append((func, *args[1:]))
+        return func(*args, **kwargs)
+
+
+def test_a_traced_stage_makes_the_calls_its_model_made() -> None:
+    # Context parallelism reads a model's positions and attention by the function it calls, which a stage cut by the
+    # tracer calls as aten ops: as_called reads them back.
+    model, x = CallsWhatContextParallelismReads(), torch.randn(2, 8, 16)
+    (stage,) = trace_stages(model, ((x,), {}), [], [0], torch.device("cpu"))
+    with Calls() as calls:
+        torch.testing.assert_close(stage(x), model(x))
+    made = {call[0] for call in calls.made}
+    assert {torch.arange, torch.matmul, torch.softmax, torch.sum} <= made
+    assert (Tensor.__getitem__, slice(0, 8, 1)) in calls.made  # the table's first rows
+    assert (Tensor.__getitem__, (slice(None), slice(1, 8, 1))) in calls.made  # x[:, 1:], its open end made 8
+    assert (torch.sum, [1]) in calls.made
