@@ -12,7 +12,9 @@ the whole sequence's:
 - ``probs @ v`` (``matmul``, ``bmm``, ``einsum``) takes the values of every rank.
 
 The gathers send their gradients back to the ranks that hold the keys and values. Each rank holds scores of its
-queries over the whole sequence: 1/N of one process's.
+queries over the whole sequence: 1/N of one process's. Attention that tensor parallelism runs on DTensor heads (code
+that reshapes with global sizes) takes each step on the rank's heads, whole along the sequence, and splits the result
+by head again.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+
+from lightdist.dataflow import tensors_in
 
 if TYPE_CHECKING:
     from lightdist.context_parallel import ContextParallel
@@ -45,6 +50,8 @@ class AttentionByHand:
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``func`` made the whole sequence's where it is a step of attention on this rank's share; else
         ``NotImplemented``."""
+        if func not in _VIEWS and any(isinstance(t, DTensor) for t in tensors_in((args, kwargs))):
+            return self._on_local_heads(func, args, kwargs)
         if func in _PRODUCTS and len(args) == 2:
             queries, keys = args
             if self._scores(queries, keys):
@@ -72,6 +79,19 @@ class AttentionByHand:
             return func(args[0], self.cp.whole_future(args[1].size(-1), args[1].device), *args[2:], **kwargs)
         return NotImplemented
 
+    def _on_local_heads(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A step on tensor parallelism's DTensor heads, taken on this rank's heads and split by head again as its
+        first split operand is: neither the positions nor the head dim (the last two dimensions) may be split."""
+        dtensors = [t for t in tensors_in((args, kwargs)) if isinstance(t, DTensor)]
+        placements = [(t.dim(), p) for t in dtensors for p in t.placements]
+        if any(p.is_partial() or (p.is_shard() and p.dim % dims >= dims - 2) for dims, p in placements):
+            return NotImplemented
+        layout = next((t for t in dtensors if not all(p.is_replicate() for p in t.placements)), dtensors[0])
+        out = self(func, *apply_to_collection((args, kwargs), DTensor, DTensor.to_local))
+        if out is NotImplemented:
+            return out
+        return DTensor.from_local(out, layout.device_mesh, layout.placements, run_check=False)
+
     def _biased_scores(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``bias.baddbmm(q, k.T)``: BLOOM's ALiBi, a bias per key, added to the scores, or a causal mask of the
         share's, made the whole sequence's."""
@@ -96,8 +116,6 @@ class AttentionByHand:
         if "..." in spec or "->" not in spec or spec.count(",") != 1:
             return NotImplemented
         (ours, theirs), out = spec.split("->")[0].split(","), spec.split("->")[1]
-        if isinstance(first, DTensor) or isinstance(second, DTensor):
-            return NotImplemented
         if len(ours) != first.dim() or len(theirs) != second.dim():
             return NotImplemented
         size, their_size = dict(zip(ours, first.shape, strict=True)), dict(zip(theirs, second.shape, strict=True))
@@ -132,7 +150,7 @@ class AttentionByHand:
     def _scores(self, queries: Tensor, keys: Tensor) -> bool:
         """Whether ``queries @ keys`` scores this rank's queries (..., L, head dim) against its keys (..., head dim,
         L): not a product of positions (a rotary table's outer product has a head dim of 1)."""
-        if isinstance(queries, DTensor) or isinstance(keys, DTensor) or queries.dim() < 3 or keys.dim() < 3:
+        if queries.dim() < 3 or keys.dim() < 3:
             return False
         length = queries.size(-2)
         return length in self.cp.local_lengths and keys.size(-1) == length and keys.size(-2) == queries.size(-1) > 1
@@ -140,13 +158,13 @@ class AttentionByHand:
     def _weighted_values(self, probs: Tensor, values: Tensor) -> bool:
         """Whether ``probs @ values`` weighs the values of this rank's share (..., L, head dim) by probabilities of
         its queries over the whole sequence (..., L, N x L)."""
-        if isinstance(values, DTensor) or values.dim() < 3 or probs.dim() < 3:
+        if values.dim() < 3 or probs.dim() < 3:
             return False
         length = values.size(-2)
         return length in self.cp.local_lengths and probs.shape[-2:] == (length, length * self.cp.size)
 
     def _whole_scores(self, tensor: Tensor) -> bool:
-        if not isinstance(tensor, Tensor) or isinstance(tensor, DTensor) or tensor.dim() < 2:
+        if not isinstance(tensor, Tensor) or tensor.dim() < 2:
             return False
         length = tensor.size(-2)
         return length in self.cp.local_lengths and tensor.size(-1) == length * self.cp.size

@@ -48,6 +48,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 
 from lightdist.attention_by_hand import BY_HAND_OPS, AttentionByHand
+from lightdist.dataflow import tensors_in
 from lightdist.expert_parallel import all_to_all_rows
 from lightdist.loss_tokens import IGNORE_INDEX
 from lightdist.structure import find_decoder_stack
@@ -521,7 +522,7 @@ class SequenceShard(Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        shards = [t for t in _tensors_in((args, kwargs)) if isinstance(t, SequenceShard)]
+        shards = [t for t in tensors_in((args, kwargs)) if isinstance(t, SequenceShard)]
         cp = shards[0].cp
         with subclass_dispatch_disabled():
             if func in (Tensor.size, Tensor.shape.__get__):
@@ -556,7 +557,7 @@ class SequenceShard(Tensor):
 
 
 def _acts_on_whole(func: Any, args: tuple, kwargs: dict, shards: list[SequenceShard]) -> bool:
-    tensors = _tensors_in((args, kwargs))
+    tensors = tensors_in((args, kwargs))
     if any(not isinstance(t, SequenceShard) and t.dim() > 0 for t in tensors):
         return False  # met with a tensor of the rank's own (the model's logits): take the rank's share
     if func is Tensor.__getitem__:
@@ -631,12 +632,6 @@ def _ignore_appended_again(joined: Any) -> SequenceShard | None:
     if column.shape != (batch, 1) or not bool((column == IGNORE_INDEX).all()):
         return None
     return shifted
-
-
-def _tensors_in(collection: Any) -> list[Tensor]:
-    found: list[Tensor] = []
-    apply_to_collection(collection, Tensor, found.append)
-    return found
 
 
 def _unwrap(tree: Any, whole: bool) -> Any:

@@ -48,6 +48,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
 
 from lightdist.dataflow import tensors_in, trace_block_plan
 from lightdist.expert_parallel import moe_blocks
@@ -451,8 +452,9 @@ def _global_styles(*, sequence_parallel: bool) -> dict[TensorParallelStyle, Para
 
 def _run_on_global_shapes(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Run ``module``'s own forward on DTensors: the tensors it is given (rotary tables, masks; not integer positions,
-    which index) become replicated DTensors, so that backward meets DTensors too, and those it makes count as
-    replicated. On CPU, attention takes SDPA's math kernel: torch places DTensor ops for the fused CPU kernel nowhere.
+    which index), and those it makes that meet a DTensor (nanoGPT's causal mask, sliced from a buffer), become
+    replicated DTensors, so that backward meets DTensors too (``masked_fill``'s gradient is masked by the same
+    mask). On CPU, attention takes SDPA's math kernel: torch places DTensor ops for the fused CPU kernel nowhere.
     A key/value cache is not passed on: a training step never reads it back, and its plain tensors cannot take the
     DTensor keys (Hugging Face models build one on every forward unless ``use_cache=False``).
 
@@ -473,13 +475,31 @@ def _run_on_global_shapes(module: nn.Module, tp_mesh: DeviceMesh) -> None:
         args, kwargs = without_kv_cache(args, kwargs, training_only=False)
         given_dtensors = any(isinstance(x, DTensor) for x in tensors_in((args, kwargs)))
         args, kwargs = apply_to_collection((args, kwargs), Tensor, replicated, allow_frozen=True)
-        with implicit_replication(), sdpa_kernel(SDPBackend.MATH) if on_cpu else contextlib.nullcontext():
+        kernel = sdpa_kernel(SDPBackend.MATH) if on_cpu else contextlib.nullcontext()
+        with implicit_replication(), _ReplicatedWhereMixed(replicated), kernel:  # integer indices: implicitly
             output = forward(*args, **kwargs)
         if given_dtensors:
             return output
         return apply_to_collection(output, DTensor, _local_if_replicated, allow_frozen=True)
 
     module.forward = global_forward
+
+
+class _ReplicatedWhereMixed(TorchFunctionMode):
+    """Each plain tensor an op takes beside a DTensor made a replicated DTensor by ``replicate``: DTensor's own
+    ``implicit_replication`` treats it as one in forward only, and its saved copy then meets DTensor gradients in
+    backward."""
+
+    def __init__(self, replicate: Callable[[Tensor], Tensor]) -> None:
+        super().__init__()
+        self.replicate = replicate
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = tensors_in((args, kwargs))
+        if any(isinstance(t, DTensor) for t in tensors) and not all(isinstance(t, DTensor) for t in tensors):
+            args, kwargs = apply_to_collection((args, kwargs), Tensor, self.replicate, allow_frozen=True)
+        return func(*args, **kwargs)
 
 
 def _local_if_replicated(x: DTensor) -> Tensor:

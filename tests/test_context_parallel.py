@@ -49,24 +49,7 @@ def hf_causal_lm(model_type: str, **config) -> nn.Module:
     return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **config))
 
 
-class SlowAttention(CausalSelfAttention):
-    """nanoGPT's attention without flash: scores, the causal mask from a buffer of ones, softmax, values, by hand."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__(config)
-        block = config.block_size
-        self.register_buffer("bias", torch.tril(torch.ones(block, block)).view(1, 1, block, block))
-
-    def forward(self, x: Tensor) -> Tensor:
-        B, T, C = x.size()
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, 2))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
-        y = F.softmax(att, dim=-1) @ v
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
-
-
-class BufferAttention(SlowAttention):
+class BufferAttention(CausalSelfAttention):
     """Megatron's way: scores by ``baddbmm`` into an empty buffer (``beta=0``) over batch x heads, values by ``bmm``."""
 
     def forward(self, x: Tensor) -> Tensor:
@@ -79,7 +62,7 @@ class BufferAttention(SlowAttention):
         return self.c_proj(y.view(B, H, T, D).transpose(1, 2).reshape(B, T, C))
 
 
-class EinsumAttention(SlowAttention):
+class EinsumAttention(CausalSelfAttention):
     """Scores and values by ``torch.einsum``, as lucidrains' x-transformers writes them."""
 
     def forward(self, x: Tensor) -> Tensor:
@@ -91,7 +74,7 @@ class EinsumAttention(SlowAttention):
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
-class BroadcastAttention(SlowAttention):
+class BroadcastAttention(CausalSelfAttention):
     """Scores by broadcasting and summing, which lightdist does not read as attention."""
 
     def forward(self, x: Tensor) -> Tensor:
@@ -102,11 +85,12 @@ class BroadcastAttention(SlowAttention):
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
-def nanogpt(attention: type[CausalSelfAttention]) -> nn.Module:
+def nanogpt(attention: type[CausalSelfAttention] = CausalSelfAttention) -> nn.Module:
+    """nanoGPT on its slow path (attention by hand, its causal mask a buffer), or with ``attention`` written like it."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig())
+    model = GPT(GPTConfig(flash=False))
     for block in model.transformer.h:
-        block.attn = attention(GPTConfig())
+        block.attn = attention(GPTConfig(flash=False))
     return model
 
 
@@ -244,7 +228,7 @@ def context_parallel_in_a_plain_loop() -> dict:
     results["hf_bloom_alibi"] = one_process_and_split(
         bloom, collated, labels_loss, ContextParallel(mesh, "auto", bloom)
     )
-    slow = nanogpt(SlowAttention)
+    slow = nanogpt()
     windows_of_65 = torch.randint(0, 64, (2, 65), generator=generator)
     cp = ContextParallel(mesh, "auto", slow)
     results["nanogpt_slow_attention"] = one_process_and_split(slow, windows_of_65, nanogpt_loss, cp)

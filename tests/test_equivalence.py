@@ -236,6 +236,8 @@ CASES = {
         # nanoGPT's attention, which reshapes with global sizes, runs on tensor parallelism's DTensor heads
         "cp2_tp2": Case(strategy=dict(CP2, **TP2)),
         "zoo_nanogpt_cp2_tp2": Case(strategy=dict(CP2, **TP2), model="zoo_nanogpt"),
+        # nanoGPT's slow path: attention by hand, on tensor parallelism's DTensor heads
+        "zoo_nanogpt_slow_attention_cp2_tp2": Case(strategy=dict(CP2, **TP2), model="zoo_nanogpt_slow_attention"),
         # each stage's share of each microbatch's sequences: positions from its own inputs' length on every stage
         "pp2_cp2": Case(strategy=dict(PP2, **CP2)),
         "zoo_hf_llama_labels_pp2_cp2_4_microbatches": Case(

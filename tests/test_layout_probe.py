@@ -221,6 +221,7 @@ PROBED = [
     "hf_opt",
     "hf_bloom",
     "zoo_nanogpt",
+    "zoo_nanogpt_slow_attention",
     "zoo_hf_gpt2_labels",
     "zoo_litgpt",
     "zoo_hf_qwen3_logits",
@@ -240,6 +241,8 @@ def test_each_unit_runs_in_the_first_layout_that_computes_what_one_process_compu
         "hf_bloom": {"self_attention": "fast", "mlp": "fast"},
         # nanoGPT reshapes with its input's width: no per-rank size can help, torch's DTensor places each op
         "zoo_nanogpt": {"attn": "global", "mlp": "fast"},
+        # its slow path too: the causal mask sliced from a buffer meets DTensor scores, and their gradients in backward
+        "zoo_nanogpt_slow_attention": {"attn": "global", "mlp": "fast"},
         # GPT-2 splits c_attn's output with split_size, LitGPT reads its heads from the config every block shares
         "zoo_hf_gpt2_labels": {"attn": "adapted", "mlp": "fast"},
         "zoo_litgpt": {"attn": "adapted", "mlp": "fast"},

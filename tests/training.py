@@ -278,6 +278,7 @@ MODELS = {
         for style in ("labels", "logits")
     },
     "zoo_nanogpt": zoo.NanoGPT,
+    "zoo_nanogpt_slow_attention": partial(zoo.NanoGPT, flash=False),
     "zoo_litgpt": zoo.LitGPT,
     # LitGPT's Mixtral-style MoE: its experts a list of modules that LLaMAMoE's loop calls one by one.
     "zoo_litgpt_moe": partial(

@@ -36,6 +36,7 @@ class GPTConfig:
     n_embd: int = 64
     dropout: float = 0.0
     bias: bool = True
+    flash: bool = True  # False: nanoGPT's slow path (PyTorch < 2.0): attention by hand, the causal mask a buffer
 
 
 class LayerNorm(nn.Module):
@@ -64,6 +65,16 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.n_embd = config.n_embd
         self.dropout = config.dropout
+        # flash attention make GPU go brrrrr but support is only in PyTorch >= 2.0
+        self.flash = hasattr(torch.nn.functional, "scaled_dot_product_attention") and config.flash
+        if not self.flash:
+            # causal mask to ensure that attention is only applied to the left in the input sequence
+            self.register_buffer(
+                "bias",
+                torch.tril(torch.ones(config.block_size, config.block_size)).view(
+                    1, 1, config.block_size, config.block_size
+                ),
+            )
 
     def forward(self, x):
         B, T, C = x.size()  # batch size, sequence length, embedding dimensionality (n_embd)
@@ -75,9 +86,18 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
 
         # causal self-attention; Self-attend: (B, nh, T, hs) x (B, nh, hs, T) -> (B, nh, T, T)
-        y = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0, is_causal=True
-        )
+        if self.flash:
+            # efficient attention using Flash Attention CUDA kernels
+            y = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0, is_causal=True
+            )
+        else:
+            # manual implementation of attention
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            att = F.softmax(att, dim=-1)
+            att = self.attn_dropout(att)
+            y = att @ v  # (B, nh, T, T) x (B, nh, T, hs) -> (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
 
         # output projection
@@ -185,10 +205,10 @@ class NanoGPT(LightningModule):
     """nanoGPT's ``GPT`` as ``self.model``; the step unpacks its ``(logits, loss)``. The learning rate warms up as
     nanoGPT's ``train.py`` warms it up."""
 
-    def __init__(self, learning_rate: float, warmup_steps: int) -> None:
+    def __init__(self, learning_rate: float, warmup_steps: int, **config: Any) -> None:
         super().__init__()
         self.learning_rate, self.warmup_steps = learning_rate, warmup_steps
-        self.model = GPT(GPTConfig())
+        self.model = GPT(GPTConfig(**config))
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()  # nanoGPT's targets.view(-1) needs them whole
