@@ -45,21 +45,17 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.overrides import TorchFunctionMode
 
-from lightdist.attention_by_hand import BY_HAND_OPS, AttentionByHand
-from lightdist.dataflow import tensors_in
+from lightdist.context_parallel_mode import ContextParallelMode, shares_into_tensor_parallel_modules
 from lightdist.expert_parallel import all_to_all_rows
 from lightdist.loss_tokens import IGNORE_INDEX
-from lightdist.structure import find_decoder_stack
-from lightdist.tensor_parallel import block_attention_heads
-from lightdist.torch_internals import ring_attention_backward, ring_attention_forward, subclass_dispatch_disabled
-from lightdist.traced_calls import as_called
+from lightdist.sequence_shard import SequenceShard, unwrapped
+from lightdist.tensor_parallel import model_attention_heads
+from lightdist.torch_internals import ring_attention_backward, ring_attention_forward
 
 __all__ = [
     "ContextParallel",
     "ContextParallelMethod",
-    "SequenceShard",
     "auto_method",
     "context_mesh",
     "context_parallel_over",
@@ -94,10 +90,7 @@ def context_parallel_over(
 def _check_heads_deal_out(module: nn.Module, tp: int, cp: int) -> None:
     """The all-to-all's heads, checked as the run starts, before memory is allocated, where the model's blocks name
     them; where they do not, attention checks them as it runs."""
-    try:
-        heads = block_attention_heads(find_decoder_stack(module))
-    except ValueError:  # no stack of blocks found
-        return
+    heads = model_attention_heads(module)
     if heads is not None and (heads.heads // tp) % cp:
         raise ValueError(
             f"context_parallel_method='all_to_all' deals the heads out over the context-parallel ranks, but the "
@@ -207,7 +200,7 @@ class ContextParallel:
     def shares(self, tree: Any) -> Any:
         """``tree`` with each ``SequenceShard`` made this rank's share: a pipeline stage traced from it runs on
         shares."""
-        return _unwrap(tree, whole=False)
+        return unwrapped(tree, whole=False)
 
     def whole_sequences(self, output: Any) -> Any:
         """``output`` of a step on this rank's shares (a prediction's logits) with each sequence gathered whole, in
@@ -263,9 +256,9 @@ class ContextParallel:
     def active(self) -> Iterator[None]:
         """Positions and attention of the split sequences, while a step or its backward (which may recompute) runs;
         a step whose model took its share of the sequence but attended by hand is refused once it returns."""
-        into_tensor_parallel = register_module_forward_pre_hook(_shares_into_tensor_parallel_modules)
+        into_tensor_parallel = register_module_forward_pre_hook(shares_into_tensor_parallel_modules)
         try:
-            with _ContextParallelMode(self):
+            with ContextParallelMode(self):
                 yield
         finally:
             into_tensor_parallel.remove()
@@ -476,312 +469,6 @@ def _check_right_padded(attention_mask: Tensor, labels: Any) -> None:
             f"batch labels padding tokens. Label padding {IGNORE_INDEX} (DataCollatorForLanguageModeling does), or "
             "train with context_parallel_size=1."
         )
-
-
-# Ops that keep the batch and sequence dimensions as they are: on a SequenceShard, they act on the whole sequence.
-_ELEMENTWISE = {
-    Tensor.to, Tensor.long, Tensor.int, Tensor.bool, Tensor.float, Tensor.type, Tensor.contiguous, Tensor.clone,
-    Tensor.detach, Tensor.cpu, Tensor.cuda, Tensor.ne, Tensor.eq, Tensor.ge, Tensor.gt, Tensor.le, Tensor.lt,
-    Tensor.__ne__, Tensor.__eq__, Tensor.__ge__, Tensor.__gt__, Tensor.__le__, Tensor.__lt__, Tensor.__and__,
-    Tensor.__or__, Tensor.__invert__, Tensor.logical_not, Tensor.masked_fill, Tensor.masked_fill_, Tensor.__setitem__,
-    Tensor.clamp, Tensor.roll, torch.roll, torch.where, torch.clone, Tensor.cumsum, torch.cumsum,
-}  # fmt: skip
-# Ops over a dimension: along the sequence of a rank's share, each sees that share only.
-_OVER_A_DIMENSION = {
-    Tensor.sum, torch.sum, Tensor.nansum, torch.nansum, Tensor.mean, torch.mean, Tensor.nanmean, torch.nanmean,
-    Tensor.prod, torch.prod, Tensor.amax, torch.amax, Tensor.amin, torch.amin, Tensor.max, torch.max, Tensor.min,
-    torch.min, Tensor.argmax, torch.argmax, Tensor.argmin, torch.argmin, Tensor.logsumexp, torch.logsumexp,
-    Tensor.count_nonzero, torch.count_nonzero, Tensor.std, torch.std, Tensor.var, torch.var, Tensor.cumsum,
-    torch.cumsum, Tensor.cumprod, torch.cumprod, Tensor.softmax, torch.softmax, F.softmax, Tensor.log_softmax,
-    torch.log_softmax, F.log_softmax,
-}  # fmt: skip
-# Ops that move or convolve positions: along the sequence of a rank's share, each needs its neighbours' tokens.
-_MIXING_POSITIONS = {F.pad, torch.roll, Tensor.roll, F.conv1d}
-# What a tensor is, not what it holds: the same for the whole and the rank's share, read from the whole.
-_METADATA = {Tensor.dim, Tensor.is_floating_point, Tensor.element_size, Tensor.is_contiguous, Tensor.get_device}
-
-
-class SequenceShard(Tensor):
-    """A batch tensor of whole sequences (batch, sequence, ...) that stands for this rank's share of them.
-
-    Its data is the whole: slicing or padding it along the sequence, ``torch.roll``, and elementwise ops (casts,
-    comparisons, masks, ``where``) act on the whole sequence, which makes a step's label shift (``batch[:, 1:]``)
-    the whole sequence's; any other op, and its shape, see this rank's tokens, which is what the model and the loss
-    take.
-    """
-
-    cp: ContextParallel
-    ignore_appended = False  # a shift by one that kept the length by a last -100 (``labels[..., 1:]``)
-
-    @staticmethod
-    def __new__(cls, whole: Tensor, cp: ContextParallel) -> SequenceShard:
-        shard = whole.as_subclass(cls)
-        shard.cp = cp
-        return shard
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        shards = [t for t in tensors_in((args, kwargs)) if isinstance(t, SequenceShard)]
-        cp = shards[0].cp
-        with subclass_dispatch_disabled():
-            if func in (Tensor.size, Tensor.shape.__get__):
-                shape = cp.local_shape(args[0].as_subclass(Tensor))
-                dim = args[1] if len(args) > 1 else kwargs.get("dim")
-                return shape if func is Tensor.shape.__get__ or dim is None else shape[dim]
-            if (
-                func in _METADATA
-                or getattr(func, "__name__", "") == "__get__"
-                or _acts_on_whole(func, args, kwargs, shards)
-            ):
-                out = func(*_unwrap(args, whole=True), **_unwrap(kwargs, whole=True))
-                appended = False
-                if func is Tensor.__getitem__:
-                    index, whole = _expanded(args[1], args[0].dim()), args[0].as_subclass(Tensor)
-                    out = cp.shift_kept_whole(whole, out, index)
-                    appended = isinstance(index[1], slice) and index[1].start == 1 and out.size(1) == whole.size(1)
-                out = apply_to_collection(out, Tensor, lambda t: SequenceShard(t, cp) if t.dim() >= 2 else t)
-                if appended:
-                    out.ignore_appended = True
-                return out
-            if _joins_sequences(func, args, kwargs):
-                if (shifted := _ignore_appended_again(args[0])) is not None:
-                    return shifted
-                raise ValueError(
-                    f"context_parallel_size={cp.size}: the step joins a batch's sequences to tensors of its own along "
-                    "the sequence (torch.cat or hstack), which this rank's share of the sequence cannot stand for. "
-                    "To shift labels, use labels[..., 1:] (under context parallelism it keeps the sequence's length "
-                    "and ends in -100), with or without a column of -100 joined after it, as torchtune does."
-                )
-            return func(*_unwrap(args, whole=False), **_unwrap(kwargs, whole=False))
-
-
-def _acts_on_whole(func: Any, args: tuple, kwargs: dict, shards: list[SequenceShard]) -> bool:
-    tensors = tensors_in((args, kwargs))
-    if any(not isinstance(t, SequenceShard) and t.dim() > 0 for t in tensors):
-        return False  # met with a tensor of the rank's own (the model's logits): take the rank's share
-    if func is Tensor.__getitem__:
-        return _slices_batch_and_sequence(args[1], args[0].dim())
-    if func is F.pad:
-        return args[0].dim() == 2 and len(args[1]) == 2  # pads the sequence, the last dimension
-    if _joins_sequences(func, args, kwargs):
-        return True  # the batch's sequences joined: a longer whole
-    return func in _ELEMENTWISE and all(s.dim() == shards[0].dim() for s in shards)
-
-
-def _slices_batch_and_sequence(index: Any, dims: int) -> bool:
-    """Whether ``index`` takes a slice of the examples (a pipeline's microbatch) and a slice or a position of the
-    sequence (``tokens[:, 0]``, each sequence's first token), leaving any other dimension whole."""
-    index = _expanded(index, dims)
-    batch_and_sequence = isinstance(index[0], slice) and isinstance(index[1], slice | int)
-    return batch_and_sequence and all(i == slice(None) for i in index[2:])
-
-
-def _expanded(index: Any, dims: int) -> tuple:
-    """``index`` as a tuple of one entry per dimension: an ``Ellipsis``, and the dimensions after the last given,
-    made whole slices."""
-    index = index if isinstance(index, tuple) else (index,)
-    if Ellipsis in index:
-        at = index.index(Ellipsis)
-        index = index[:at] + (slice(None),) * (dims - len(index) + 1) + index[at + 1 :]
-    return index + (slice(None),) * (dims - len(index))
-
-
-def _shift_of_a_share(tensor: Tensor, index: Any, local_lengths: set[int]) -> Literal["first", "last"] | None:
-    """Which end ``tensor[index]`` drops, where ``tensor`` holds this rank's share of sequences (batch, positions,
-    ...) and ``index`` drops one position of each, as a shift by one does; ``None`` for any other index."""
-    if isinstance(tensor, SequenceShard) or tensor.dim() < 2 or tensor.size(1) not in local_lengths:
-        return None
-    batch, sequence, *rest = _expanded(index, tensor.dim())
-    if batch != slice(None) or not isinstance(sequence, slice) or sequence.step not in (None, 1):
-        return None
-    if any(i != slice(None) for i in rest):
-        return None
-    if sequence.start in (None, 0) and sequence.stop in (-1, tensor.size(1) - 1):
-        return "last"
-    return "first" if sequence.start == 1 and sequence.stop in (None, tensor.size(1)) else None
-
-
-def _joins_sequences(func: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether ``func`` concatenates tensors along the sequence, their second dimension."""
-    if func not in (torch.cat, torch.concat, torch.concatenate, torch.hstack):
-        return False
-    tensors = list(args[0])
-    dim = 1 if func is torch.hstack else kwargs.get("dim", kwargs.get("axis", args[1] if len(args) > 1 else 0))
-    return tensors[0].dim() >= 2 and dim % tensors[0].dim() == 1
-
-
-def _shares_into_tensor_parallel_modules(module: nn.Module, args: tuple) -> tuple | None:
-    """A module with DTensor parameters of its own takes this rank's share of the batch's sequences: under tensor
-    parallelism (a vocabulary-parallel embedding) its hooks make DTensors of its inputs, which read a tensor's data,
-    not its ``__torch_function__``. An FSDP-sharded module's first op would take the share anyway."""
-    if not any(isinstance(arg, SequenceShard) for arg in args):
-        return None
-    if not any(isinstance(parameter, DTensor) for parameter in module.parameters(recurse=False)):
-        return None
-    return _unwrap(args, whole=False)
-
-
-def _ignore_appended_again(joined: Any) -> SequenceShard | None:
-    """torchtune's shift, ``hstack((labels[..., 1:], a column of -100))``: where the shift kept the sequence's
-    length by a last -100 already, the joined column adds nothing, and the shifted labels are the join."""
-    if len(joined) != 2 or not getattr(joined[0], "ignore_appended", False) or isinstance(joined[1], SequenceShard):
-        return None
-    shifted, column = joined
-    batch = shifted.as_subclass(Tensor).size(0)
-    if column.shape != (batch, 1) or not bool((column == IGNORE_INDEX).all()):
-        return None
-    return shifted
-
-
-def _unwrap(tree: Any, whole: bool) -> Any:
-    def unwrap(value: Any) -> Any:
-        if not isinstance(value, SequenceShard):
-            return value
-        tensor = value.as_subclass(Tensor)
-        return tensor if whole else value.cp.local(tensor)
-
-    return apply_to_collection(tree, Tensor, unwrap)
-
-
-_MEAN_LOSSES = (F.cross_entropy, F.nll_loss)
-
-
-class _ContextParallelMode(TorchFunctionMode):
-    """Gives the split sequences' positions and attention to whatever model code runs under it."""
-
-    def __init__(self, cp: ContextParallel) -> None:
-        super().__init__()
-        self.cp = cp
-        self.buffers = {id(buffer) for buffer in cp.module.buffers()}
-        self.by_hand = AttentionByHand(cp)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.cp.local_lengths:
-            func, args, kwargs = as_called(func, args, kwargs)  # a traced pipeline stage's aten ops
-            if func is F.scaled_dot_product_attention and args[0].size(-2) in self.cp.local_lengths:
-                return self.cp.attention(*args, **kwargs)
-            positions = None
-            if func is torch.arange:
-                positions = self._arange_positions(args, kwargs)
-            elif func is Tensor.__getitem__ and id(args[0]) in self.buffers:
-                positions = self._table_rows(args[0], args[1])
-            elif func is Tensor.__getitem__ and (shift := _shift_of_a_share(*args[:2], self.cp.local_lengths)):
-                return self._shifted_share(args[0], shift)
-            elif func in _OVER_A_DIMENSION and self._along_a_share(func, args, kwargs):
-                return self._positions_counted(func, args, kwargs)
-            elif func in _MIXING_POSITIONS and self._mixes_a_share(func, args, kwargs):
-                raise self._mixing_refused(func, args[0])
-            elif func in BY_HAND_OPS and (out := self.by_hand(func, args, kwargs)) is not NotImplemented:
-                return out
-            if positions is not None:
-                return positions
-            if func in _MEAN_LOSSES and len(args) == 2 and kwargs.get("reduction", "mean") == "mean":
-                return self._counted_loss(func, args, kwargs)
-        return func(*args, **kwargs)
-
-    def _shifted_share(self, share: Tensor, dropped: str) -> Tensor:
-        """A causal LM's logits (batch, this rank's positions, vocabulary) keep their last position under
-        ``logits[..., :-1, :]``: the labels shifted alike end in -100 (``shift_kept_whole``). Token ids that are this
-        rank's share already cannot be shifted: the successor of its last token is on another rank."""
-        if dropped == "last" and share.dim() >= 3 and share.is_floating_point():
-            return share
-        raise ValueError(
-            f"context_parallel_size={self.cp.size}: the step shifts a tensor that holds this rank's share of each "
-            f"sequence ({tuple(share.shape)}, the {dropped} position dropped), whose neighbouring tokens are on other "
-            "ranks: an op lightdist does not run on the whole sequence (a view, reshape or flatten) took the share "
-            "before the shift. Shift the batch's own tensors first (batch[:, :-1], batch[:, 1:], labels[..., 1:]), "
-            "then reshape."
-        )
-
-    def _along_a_share(self, func: Any, args: tuple, kwargs: dict) -> bool:
-        """Whether ``func`` reduces or scans along the sequence, not the batch, of this rank's share of sequences
-        (a cumulative sum of whole sequences, a ``SequenceShard``'s, runs on the whole)."""
-        tensor = args[0]
-        if not isinstance(tensor, Tensor) or tensor.dim() < 2 or tuple(tensor.shape[:2]) not in self.cp.split_shapes:
-            return False
-        if isinstance(tensor, SequenceShard) and func in _ELEMENTWISE:
-            return False
-        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-        dims = dim if isinstance(dim, tuple | list) else (dim,)
-        if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
-            return False  # over every dimension, or not a dimension (torch.max(a, b), var(unbiased))
-        over = {d % tensor.dim() for d in dims}
-        return 1 in over and 0 not in over
-
-    def _mixes_a_share(self, func: Any, args: tuple, kwargs: dict) -> bool:
-        """Whether ``func`` moves or convolves positions along the sequence of this rank's share: a pad or roll
-        along it (RWKV's token shift), a convolution over it wider than one token (Mamba's causal convolution)."""
-        tensor = args[0]
-        if func is F.conv1d:
-            weight = args[1] if len(args) > 1 else kwargs["weight"]
-            return (tensor.size(0), tensor.size(-1)) in self.cp.split_shapes and weight.size(-1) > 1
-        if tensor.dim() < 2 or tuple(tensor.shape[:2]) not in self.cp.split_shapes:
-            return False
-        if func is F.pad:
-            pad = args[1] if len(args) > 1 else kwargs["pad"]
-            if isinstance(tensor, SequenceShard) and tensor.dim() == 2 and len(pad) == 2:
-                return False  # the whole sequence padded
-            at = 2 * (tensor.dim() - 2)  # pad lists (before, after) per dimension from the last
-            return any(pad[at : at + 2])
-        if isinstance(tensor, SequenceShard):
-            return False  # rolled whole
-        dims = kwargs.get("dims", args[2] if len(args) > 2 else None)
-        dims = dims if isinstance(dims, tuple | list) else (dims,)
-        return None in dims or 1 in {d % tensor.dim() for d in dims}
-
-    def _mixing_refused(self, func: Any, tensor: Tensor) -> ValueError:
-        return ValueError(
-            f"context_parallel_size={self.cp.size}: the model computes {getattr(func, '__name__', func)} along the "
-            f"sequence of a tensor that holds this rank's share of each sequence ({tuple(tensor.shape)}), which "
-            "needs the tokens next to the share, held by other ranks: a token shift (RWKV's) or a convolution over "
-            "positions (Mamba's). Context parallelism splits attention models; train this one with "
-            "context_parallel_size=1."
-        )
-
-    def _positions_counted(self, func: Any, args: tuple, kwargs: dict) -> Tensor:
-        """A cumulative sum of ones along the sequence counts positions (OPT's, and ALiBi's in Falcon, from a mask of
-        ones made at the local length): those of this rank's tokens, plus one. Any other op along a rank's share is
-        refused, since it would see that share only."""
-        tensor = args[0]
-        if func in (torch.cumsum, Tensor.cumsum) and bool((tensor == 1).all()):
-            out = func(*args, **kwargs)
-            positions = self.cp.positions(tensor.size(1), tensor.device) + 1
-            return positions.view(1, -1, *[1] * (tensor.dim() - 2)).to(out.dtype).expand_as(out).contiguous()
-        raise ValueError(
-            f"context_parallel_size={self.cp.size}: the step computes {getattr(func, '__name__', func)} along the "
-            f"sequence of a tensor that holds this rank's share of each sequence ({tuple(tensor.shape)}), which sees "
-            "that share only: a per-sequence mean or sum (a loss normalised per sequence, mean pooling), a softmax or "
-            "maximum over positions, or the index of a sequence's last token. Reduce over all of the rank's tokens "
-            "instead (loss.sum() / mask.sum(), which lightdist weighs by the tokens each rank holds), or train with "
-            "context_parallel_size=1."
-        )
-
-    def _counted_loss(self, func: Any, args: tuple, kwargs: dict) -> Tensor:
-        """A mean cross-entropy, whose labelled tokens weigh this rank's loss where ranks hold unequal numbers."""
-        target = args[1]
-        if not target.is_floating_point():  # class indices, not probabilities
-            self.cp.loss_counts.append((target != kwargs.get("ignore_index", IGNORE_INDEX)).sum())
-        return func(*args, **kwargs)
-
-    def _arange_positions(self, args: tuple, kwargs: dict) -> Tensor | None:
-        """``torch.arange(start, start + local length)``: the positions of this rank's tokens, from ``start``."""
-        numbers = [int(a) if isinstance(a, Tensor) else a for a in args]
-        start, end, step = (0, numbers[0], 1) if len(numbers) == 1 else (*numbers[:2], *(numbers[2:] or [1]))
-        if kwargs.get("step", step) != 1 or not all(isinstance(n, int) for n in (start, end)):
-            return None
-        if end - start not in self.cp.local_lengths:
-            return None
-        return (self.cp.positions(end - start, kwargs.get("device")) + start).to(kwargs.get("dtype") or torch.int64)
-
-    def _table_rows(self, table: Tensor, index: Any) -> Tensor | None:
-        """``table[:local length]`` of a buffer with a row per position (a rotary table): this rank's tokens' rows."""
-        if not isinstance(index, slice) or index.start not in (None, 0) or index.step not in (None, 1):
-            return None
-        if index.stop not in self.cp.local_lengths or table.size(0) < index.stop * self.cp.size:
-            return None
-        return table.index_select(0, self.cp.positions(index.stop, table.device))
 
 
 class _RingAttention(torch.autograd.Function):

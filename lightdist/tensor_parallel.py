@@ -54,7 +54,15 @@ from lightdist.dataflow import tensors_in, trace_block_plan
 from lightdist.expert_parallel import moe_blocks
 from lightdist.kv_cache import without_kv_cache
 from lightdist.pipeline.tied import tied_names
-from lightdist.structure import DecoderStack, in_features, is_conv1d, is_projection, out_features, within
+from lightdist.structure import (
+    DecoderStack,
+    find_decoder_stack,
+    in_features,
+    is_conv1d,
+    is_projection,
+    out_features,
+    within,
+)
 
 __all__ = [
     "BLOCK_RULES",
@@ -161,6 +169,15 @@ def block_attention_heads(stack: DecoderStack) -> AttentionHeads | None:
     """The head counts of the attention in the stack's first block; ``None`` where none is found."""
     first_block = next(iter(stack.blocks.children()))
     return next(filter(None, map(attention_heads, first_block.modules())), None)
+
+
+def model_attention_heads(model: nn.Module) -> AttentionHeads | None:
+    """The head counts of ``model``'s attention, read from its blocks; ``None`` where it has no stack of blocks or
+    they name none (what needs them then reads them as attention runs)."""
+    try:
+        return block_attention_heads(find_decoder_stack(model))
+    except ValueError:  # no stack of blocks found
+        return None
 
 
 def _configs(module: nn.Module) -> dict[str, object]:

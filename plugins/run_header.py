@@ -14,8 +14,7 @@ from lightdist.expert_parallel import find_experts
 from lightdist.parallelize import ParallelConfig
 from lightdist.planner import Estimate, GiB
 from lightdist.plugins.auto_layout import planned_layout
-from lightdist.structure import find_decoder_stack
-from lightdist.tensor_parallel import block_attention_heads
+from lightdist.tensor_parallel import model_attention_heads
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -84,10 +83,7 @@ def _attention(module: pl.LightningModule, run: dict[str, Any], layout: Parallel
     method = run["context_parallel_method"]
     if method != "auto":
         return method
-    try:
-        heads = block_attention_heads(find_decoder_stack(module))
-    except ValueError:  # no stack of blocks: the header must not stop a run
-        heads = None
+    heads = model_attention_heads(module)
     return method if heads is None else f"{auto_method(heads.heads // layout.tp, layout.cp)}, auto"
 
 

@@ -18,11 +18,12 @@ import transformers
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightdist.context_parallel import ContextParallel, SequenceShard, load_balanced_positions
+from lightdist.context_parallel import ContextParallel, load_balanced_positions
 from lightdist.loss_tokens import labelled_tokens
 from lightdist.models import Llama
 from lightdist.pipeline.traced import trace_stages
 from lightdist.planner import Cluster, Layout, ModelShape, Training, estimate
+from lightdist.sequence_shard import SequenceShard
 
 from multirank import raised, run_ranks
 from zoo import GPT, HF_TINY, CausalSelfAttention, GPTConfig
