@@ -226,14 +226,38 @@ class ModelShape:
         root keeps gathered from forward to backward under ZeRO-3."""
         return [outside for _, _, outside in self._count_parameters(pp, tp, 1)]
 
+    def activation_bytes_per_token(self, seq_len: int) -> list[float]:
+        """Bytes each block saves for backward per token of a ``seq_len`` sequence, at fp32: what grows with the
+        sequence (the layers' outputs) and, per token, what grows with its square (attention's scores, where it is
+        written by hand: Hugging Face's ``"eager"``, nanoGPT's slow path)."""
+        return [linear + square * seq_len for linear, square in self._activation_terms]
+
     @cached_property
-    def activation_bytes_per_token(self) -> list[float]:
-        """Bytes each block saves for backward per token, at fp32: measured by running the model forward on fake
-        tensors (nothing allocated, nothing computed), so that its own layers, attention kernel and activation
-        function are what is counted. Weights and buffers are not activations; a tensor saved twice counts once.
-        A model fake tensors cannot run (its forward branches on values, or does not take a batch of token ids) is
-        counted as Korthikanti et al. count a GPT block, with a warning."""
-        tokens = 64
+    def _activation_terms(self) -> list[tuple[float, float]]:
+        """Per block, bytes saved per token and per token squared: measured at two lengths by running the model
+        forward on fake tensors (nothing allocated, nothing computed), so that its own layers, attention kernel and
+        activation function are what is counted. Weights and buffers are not activations; a tensor saved twice counts
+        once. A model fake tensors cannot run (its forward branches on values, or does not take a batch of token ids)
+        is counted as Korthikanti et al. count a GPT block, with a warning."""
+        try:
+            short, long = (self._saved_per_block(tokens) for tokens in (64, 128))
+        except (RuntimeError, TypeError) as error:  # fake tensors' errors are RuntimeErrors
+            warnings.warn(
+                f"{self.name} cannot run on fake tensors ({type(error).__name__}: {error}), so its activations are "
+                f"estimated as Korthikanti et al. count a GPT block's, {_KORTHIKANTI_FP32_BYTES // 2} bytes per token "
+                "and hidden unit at 16 bits, rather than measured.",
+                stacklevel=3,
+            )
+            return [(_KORTHIKANTI_FP32_BYTES * self.dim, 0.0)] * self.n_layers
+        # saved(T) = linear * T + square * T^2: from T = 64 and 128, square = (saved(128) - 2 saved(64)) / 128 / 64
+        terms = []
+        for at_64, at_128 in zip(short, long, strict=True):
+            square = max(0.0, (at_128 - 2 * at_64) / (128 * 64))
+            terms.append((at_64 / 64 - square * 64, square))
+        return terms
+
+    def _saved_per_block(self, tokens: int) -> list[float]:
+        """Bytes each block saves for backward on one sequence of ``tokens``, on fake tensors."""
         # Keyed by storage: torch keeps one Python object per storage (a view's is its base's), hashed by identity,
         # where fake tensors' data pointers are all 0. The keys keep them alive, so no key is reused.
         saved: dict[torch.UntypedStorage, int] = {}  # storage -> bytes, of the block that first saved it
@@ -264,20 +288,12 @@ class ModelShape:
                 saved.update((t.untyped_storage(), 0) for t in state.values())  # weights are not activations
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                     functional_call(self.model, state, (torch.zeros(1, tokens, dtype=torch.long),))
-        except (RuntimeError, TypeError) as error:  # fake tensors' errors are RuntimeErrors
-            warnings.warn(
-                f"{self.name} cannot run on fake tensors ({type(error).__name__}: {error}), so its activations are "
-                f"estimated as Korthikanti et al. count a GPT block's, {_KORTHIKANTI_FP32_BYTES // 2} bytes per token "
-                "and hidden unit at 16 bits, rather than measured.",
-                stacklevel=2,
-            )
-            return [_KORTHIKANTI_FP32_BYTES * self.dim] * self.n_layers
         finally:
             for hook in hooks:
                 hook.remove()
         per_block = [0.0] * self.n_layers
         for storage, index in block_of_storage.items():
-            per_block[index] += saved[storage] / tokens
+            per_block[index] += saved[storage]
         return per_block
 
     def _count_parameters(self, pp: int, tp: int, dp: int, ep: int = 1) -> list[tuple[int, int, int]]:
@@ -314,7 +330,8 @@ def estimate(shape: ModelShape, layout: Layout, training: Training, cluster: Clu
     tokens = training.micro_batch * training.seq_len / layout.cp  # per microbatch and rank
     sizes = shape.blocks_per_stage(layout.pp)
     saved = [
-        bytes_per_token * compute_bytes / 4 * tokens / layout.tp for bytes_per_token in shape.activation_bytes_per_token
+        bytes_per_token * compute_bytes / 4 * tokens / layout.tp
+        for bytes_per_token in shape.activation_bytes_per_token(training.seq_len)
     ]
     worst: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
     rank_parameters = shape.rank_parameters(layout.pp, layout.tp, layout.reducing, layout.ep)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -104,13 +105,49 @@ class LlamaCheckingItsInput(Llama):
 
 def test_activations_are_measured_per_block_or_counted_as_korthikanti_counts_them() -> None:
     # Llama: 80 bytes per token and hidden unit at fp32 (Korthikanti et al. count 68 for a GPT block).
-    assert [round(per_block / 64, 1) for per_block in ModelShape(meta_llama("tiny")).activation_bytes_per_token] == [
-        80.4
-    ] * 4
+    llama = ModelShape(meta_llama("tiny"))
+    assert [round(per_block / 64, 1) for per_block in llama.activation_bytes_per_token(64)] == [80.4] * 4
+    assert llama.activation_bytes_per_token(8192) == llama.activation_bytes_per_token(64)  # SDPA: linear
     with torch.device("meta"):
         branching = ModelShape(LlamaCheckingItsInput("tiny"))
     with pytest.warns(UserWarning, match=r"LlamaCheckingItsInput cannot run on fake tensors .* 34 bytes per token"):
-        assert branching.activation_bytes_per_token == [68 * 64] * 4
+        assert branching.activation_bytes_per_token(64) == [68 * 64] * 4
+
+
+def saved_by_blocks(model: torch.nn.Module, blocks: torch.nn.ModuleList, tokens: int) -> int:
+    """Bytes the blocks save for backward on one real sequence of ``tokens``: each storage once, weights left out."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+    inside = [False]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if inside[0] and storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    for block in blocks:
+        block.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+        block.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(torch.randint(0, 64, (1, tokens)))
+    return sum(saved.values())
+
+
+def test_attention_written_by_hand_is_planned_with_scores_that_grow_with_the_square_of_the_sequence() -> None:
+    # Hugging Face's "eager" attention saves each head's scores and probabilities, T x T: measured at 64 and 128
+    # tokens, planned at any length. SDPA saves what grows with T only.
+    planned, measured = {}, {}
+    for attention in ("eager", "sdpa"):
+        config = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4
+        )
+        config._attn_implementation = attention
+        model = transformers.LlamaForCausalLM(config)
+        planned[attention] = sum(ModelShape(model).activation_bytes_per_token(1024)) * 1024
+        measured[attention] = saved_by_blocks(model, model.model.layers, 1024)
+    assert planned == measured
+    assert planned["eager"] > 4 * planned["sdpa"]
 
 
 def test_each_zero_stage_shards_what_the_paper_says() -> None:
