@@ -369,7 +369,8 @@ CASES = {
 @cache
 def parallel_results(world_size: int) -> dict[str, Result]:
     cases = CASES[world_size]
-    results = merge_stages(run_ranks(world_size, train_cases, list(cases.values()), world_size))
+    # A group trains its cases one after another (starting ranks is the slow part): minutes, not the default's 300 s
+    results = merge_stages(run_ranks(world_size, train_cases, list(cases.values()), world_size, timeout=900))
     return dict(zip(cases, results, strict=True))
 
 
@@ -378,7 +379,7 @@ def reference_results() -> dict[Case, Result]:
     """Every single-process run the parallel cases are compared with, trained in one process."""
     references = [case.reference(world_size) for world_size, cases in CASES.items() for case in cases.values()]
     references = list(dict.fromkeys(references))
-    return dict(zip(references, run_ranks(1, train_cases, references)[0], strict=True))
+    return dict(zip(references, run_ranks(1, train_cases, references, timeout=900)[0], strict=True))
 
 
 @pytest.mark.parametrize(
