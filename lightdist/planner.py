@@ -234,13 +234,15 @@ class ModelShape:
 
     @cached_property
     def _activation_terms(self) -> list[tuple[float, float]]:
-        """Per block, bytes saved per token and per token squared: measured at two lengths by running the model
-        forward on fake tensors (nothing allocated, nothing computed), so that its own layers, attention kernel and
-        activation function are what is counted. Weights and buffers are not activations; a tensor saved twice counts
-        once. A model fake tensors cannot run (its forward branches on values, or does not take a batch of token ids)
-        is counted as Korthikanti et al. count a GPT block, with a warning."""
+        """Per block, bytes saved per token and per token squared, measured by running the model forward on fake
+        tensors (nothing allocated, nothing computed), so that its own layers, attention kernel and activation
+        function are what is counted. Weights and buffers are not activations; a tensor saved twice counts once.
+        Where a saved tensor is (..., T, T), a second length tells the two apart. A model fake tensors cannot run (its
+        forward branches on values, or does not take a batch of token ids) is counted as Korthikanti et al. count a
+        GPT block, with a warning."""
         try:
-            short, long = (self._saved_per_block(tokens) for tokens in (64, 128))
+            at_60, square_seen = self._saved_per_block(60)  # a length no model's width or head dim is
+            at_30 = self._saved_per_block(30)[0] if square_seen else [saved / 2 for saved in at_60]
         except (RuntimeError, TypeError) as error:  # fake tensors' errors are RuntimeErrors
             warnings.warn(
                 f"{self.name} cannot run on fake tensors ({type(error).__name__}: {error}), so its activations are "
@@ -249,22 +251,26 @@ class ModelShape:
                 stacklevel=3,
             )
             return [(_KORTHIKANTI_FP32_BYTES * self.dim, 0.0)] * self.n_layers
-        # saved(T) = linear * T + square * T^2: from T = 64 and 128, square = (saved(128) - 2 saved(64)) / 128 / 64
+        # saved(T) = linear * T + square * T^2, so saved(T) / T at T = 60 and 30 differ by square * 30
         terms = []
-        for at_64, at_128 in zip(short, long, strict=True):
-            square = max(0.0, (at_128 - 2 * at_64) / (128 * 64))
-            terms.append((at_64 / 64 - square * 64, square))
+        for long, short in zip(at_60, at_30, strict=True):
+            square = max(0.0, (long / 60 - short / 30) / 30)
+            terms.append((long / 60 - square * 60, square))
         return terms
 
-    def _saved_per_block(self, tokens: int) -> list[float]:
-        """Bytes each block saves for backward on one sequence of ``tokens``, on fake tensors."""
+    def _saved_per_block(self, tokens: int) -> tuple[list[float], bool]:
+        """Bytes each block saves for backward on one sequence of ``tokens``, on fake tensors, and whether any saved
+        tensor is (..., tokens, tokens): attention's scores, written by hand."""
         # Keyed by storage: torch keeps one Python object per storage (a view's is its base's), hashed by identity,
         # where fake tensors' data pointers are all 0. The keys keep them alive, so no key is reused.
         saved: dict[torch.UntypedStorage, int] = {}  # storage -> bytes, of the block that first saved it
         block_of_storage: dict[torch.UntypedStorage, int] = {}
         current: list[int | None] = [None]
+        square_seen = False
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal square_seen
+            square_seen |= current[0] is not None and tensor.shape[-2:] == (tokens, tokens)
             storage = tensor.untyped_storage()
             if current[0] is not None and storage not in saved:
                 saved[storage] = storage.nbytes()
@@ -294,7 +300,7 @@ class ModelShape:
         per_block = [0.0] * self.n_layers
         for storage, index in block_of_storage.items():
             per_block[index] += saved[storage]
-        return per_block
+        return per_block, square_seen
 
     def _count_parameters(self, pp: int, tp: int, dp: int, ep: int = 1) -> list[tuple[int, int, int]]:
         key = (pp, tp, dp, ep)

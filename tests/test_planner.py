@@ -135,7 +135,7 @@ def saved_by_blocks(model: torch.nn.Module, blocks: torch.nn.ModuleList, tokens:
 
 
 def test_attention_written_by_hand_is_planned_with_scores_that_grow_with_the_square_of_the_sequence() -> None:
-    # Hugging Face's "eager" attention saves each head's scores and probabilities, T x T: measured at 64 and 128
+    # Hugging Face's "eager" attention saves each head's scores and probabilities, T x T: measured at 60 and 30
     # tokens, planned at any length. SDPA saves what grows with T only.
     planned, measured = {}, {}
     for attention in ("eager", "sdpa"):
