@@ -34,9 +34,16 @@ from lightdist.layout import ParallelLayout
 from lightdist.layout_probe import probe_layouts
 from lightdist.listed_experts import apply_listed_expert_parallel
 from lightdist.pipeline.schedules import PipelineSchedule, check_schedule, stages_of_rank, virtual_stages_of
-from lightdist.pipeline.structural import StageModel, keep_stages, stage_sizes
+from lightdist.pipeline.structural import ModelCall, StageModel, keep_stages, stage_sizes
 from lightdist.pipeline.tied import tied_across_stages, tied_names
-from lightdist.pipeline.traced import TracedInput, adopt_parameters, drop_other_stages, trace_stages, traced_stage_sizes
+from lightdist.pipeline.traced import (
+    TracedInput,
+    adopt_parameters,
+    drop_other_stages,
+    modules_around_blocks,
+    trace_stages,
+    traced_stage_sizes,
+)
 from lightdist.sharding import ZeroStage, apply_data_parallel
 from lightdist.structure import DecoderStack, find_decoder_stack, find_repeated_blocks
 from lightdist.tensor_parallel import TensorParallelStyle, apply_tensor_parallel, discover_plan
@@ -233,14 +240,15 @@ def parallelize(
     config: ParallelConfig,
     *,
     root: nn.Module | None = None,
-    example_call: Callable[[], tuple[tuple, dict]] | None = None,
+    example_call: Callable[[list[str]], ModelCall] | None = None,
     report: Callable[[str], Any] = print,
 ) -> Parallelized:
     """Split ``model`` over ``mesh`` as ``config`` says. A collective of every rank of the mesh.
 
     ``root``: the module that holds ``model`` and runs in its place, FSDP's outermost unit (default ``model``).
-    ``example_call``: one microbatch's (args, kwargs) of the model call, for torch's tracer, which only cuts stages of a
-    model with no block list (or with ``pipeline_tracer``). ``report``: where the lines that say what was chosen go.
+    ``example_call``: given the paths of the modules that may be called as the model, one microbatch's call of one of
+    them, for torch's tracer, which only cuts stages of a model with no block list (or with ``pipeline_tracer``).
+    ``report``: where the lines that say what was chosen go.
     """
     if not any(True for _ in model.parameters()):
         raise ValueError(
@@ -406,12 +414,13 @@ def _parallelize_traced(
     config: ParallelConfig,
     root: nn.Module,
     block_names: list[str],
-    example_call: Callable[[], tuple[tuple, dict]] | None,
+    example_call: Callable[[list[str]], ModelCall] | None,
     report: Callable[[str], Any],
     experts: ExpertModules | None,
 ) -> Parallelized:
     """Pipeline stages cut by torch's tracer, each data parallel on its own: for a model whose blocks are not in
-    one ``ModuleList``, or with ``pipeline_tracer``. Tensor and expert parallelism need the structure cut."""
+    one ``ModuleList``, or with ``pipeline_tracer``. Tensor and expert parallelism need the structure cut. What is
+    traced is the module the step calls (``self(x)``, ``self.model(x)``), its stages named within it."""
     if experts is not None:
         raise ValueError(
             f"expert_parallel_size={config.expert_parallel_size} with pipeline stages cut by torch's tracer: the "
@@ -430,26 +439,28 @@ def _parallelize_traced(
     )
     if example_call is None:
         raise ValueError(f"Cutting {type(model).__name__}'s pipeline stages with torch's tracer needs an example call.")
-    example = example_call()
-    stages = trace_stages(model, example, block_names, sizes, _device_of(mesh))
-    report(f"lightdist: pipeline stages of {type(model).__name__} cut by torch's tracer: {sizes} blocks.")
-    tied = tied_names(stages[0].named_parameters(), stages[-1].named_parameters())
+    path, *example = example_call(modules_around_blocks(model, block_names))
+    traced, prefix = model.get_submodule(path), f"{path}." if path else ""
+    block_names = [name.removeprefix(prefix) for name in block_names]
+    stages = trace_stages(traced, tuple(example), block_names, sizes, _device_of(mesh))
+    report(f"lightdist: pipeline stages of {type(traced).__name__} cut by torch's tracer: {sizes} blocks.")
+    tied = [(prefix + first, prefix + last) for first, last in tied_names(*(s.named_parameters() for s in stages))]
     indices = stages_of_rank(mesh["pp"].get_local_rank(), pp, config.stages_per_pipeline_rank)
     stages = [stages[index] for index in indices]
-    drop_other_stages(model, stages)
+    drop_other_stages(traced, stages)
     for stage in stages:
         blocks = [stage.get_submodule(name) for name in block_names if _has_submodule(stage, name)]
         _recompute_and_compile(blocks, config)
         _shard(stage, blocks, mesh, config, config.zero_stage_run(pp))
-    adopt_parameters(model, stages)
+    adopt_parameters(traced, stages)
     return Parallelized(
         root,
         stages=stages,
         stage_indices=indices,
         stage_count=count,
-        model_paths=[""],
+        model_paths=[path],
         tied=tied,
-        traced_input=TracedInput(model.forward, example),
+        traced_input=TracedInput(traced, tuple(example)),
     )
 
 

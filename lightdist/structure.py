@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from torch import nn
 
 __all__ = [
+    "CONTAINERS",
     "DecoderStack",
     "find_decoder_stack",
     "find_repeated_blocks",
@@ -73,11 +74,13 @@ def _num_params(module: nn.Module) -> int:
 
 
 def find_decoder_stack(model: nn.Module) -> DecoderStack:
-    """The ``ModuleList`` of same-class blocks holding the most parameters.
+    """The ``ModuleList`` of same-class blocks holding the most parameters, not inside a module that repeats (a
+    block's list of attention heads, where the blocks themselves are in an ``nn.Sequential``).
 
     Raises a ``ValueError`` naming the module lists it saw when the model has none with parameters, so the user knows
     what to change.
     """
+    repeated = [name for found in _repeated_modules(model).values() for name, _ in found]
     candidates = []
     seen = []
     for name, module in model.named_modules():
@@ -85,7 +88,8 @@ def find_decoder_stack(model: nn.Module) -> DecoderStack:
             continue
         block_types = {type(block) for block in module}
         seen.append(f"{name} ({len(module)} x {', '.join(sorted(t.__name__ for t in block_types))})")
-        if len(block_types) == 1 and _num_params(module) > 0:
+        inside_a_block = any(name.startswith(f"{other}.") for other in repeated)
+        if len(block_types) == 1 and _num_params(module) > 0 and not inside_a_block:
             candidates.append((_num_params(module), name, module))
     if not candidates:
         listed = "; ".join(seen) if seen else "none"
@@ -98,6 +102,19 @@ def find_decoder_stack(model: nn.Module) -> DecoderStack:
     return DecoderStack(name=name, blocks=blocks)
 
 
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _repeated_modules(model: nn.Module) -> dict[type, list[tuple[str, nn.Module]]]:
+    """The (name, module) of each class with parameters of which ``model`` holds two or more modules, containers
+    (``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict``) left out: one holding the blocks is no block."""
+    instances: dict[type, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules():
+        if name and not isinstance(module, CONTAINERS) and any(True for _ in module.parameters()):
+            instances.setdefault(type(module), []).append((name, module))
+    return {cls: found for cls, found in instances.items() if len(found) > 1}
+
+
 def find_repeated_blocks(model: nn.Module) -> list[str]:
     """Names of the blocks of a model that keeps them outside one ``ModuleList`` (separate attributes, an
     ``nn.Sequential``), in definition order: the instances of the class with the most parameters among those repeated
@@ -106,11 +123,7 @@ def find_repeated_blocks(model: nn.Module) -> list[str]:
     "Never nested" is what tells blocks from the layers inside them: some ``nn.Linear`` sit inside blocks, so
     ``nn.Linear`` does not qualify even if a head is one too.
     """
-    instances: dict[type, list[tuple[str, nn.Module]]] = {}
-    for name, module in model.named_modules():
-        if name and any(True for _ in module.parameters()):
-            instances.setdefault(type(module), []).append((name, module))
-    repeated = {cls: found for cls, found in instances.items() if len(found) > 1}
+    repeated = _repeated_modules(model)
     names = [name for found in repeated.values() for name, _ in found]
 
     def nested(name: str) -> bool:

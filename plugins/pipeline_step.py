@@ -537,10 +537,11 @@ def pipeline_step_over(
     )
 
 
-def example_model_call(module: LightningModule, microbatches: int) -> tuple[tuple, dict]:
-    """One microbatch of the model call the run's step makes, for the tracer: learned from the first batch of the
-    data the run starts on, on the device the parameters are on now; under context parallelism, this rank's share
-    of its sequences, which the stages run on."""
+def example_model_call(module: LightningModule, microbatches: int, callable_as_model: list[str]) -> ModelCall:
+    """One microbatch of the call the run's step makes to ``module`` or to a module it holds named in
+    ``callable_as_model``, for the tracer: learned from the first batch of the data the run starts on, on the device
+    the parameters are on now; under context parallelism, this rank's share of its sequences, which the stages run
+    on."""
     trainer = module.trainer
     context_parallel = getattr(trainer.strategy, "context_parallel", None)
     loop, step_name = {
@@ -555,5 +556,7 @@ def example_model_call(module: LightningModule, microbatches: int) -> tuple[tupl
         batch = context_parallel.shard_batch(batch)
     step = getattr(type(module), step_name)
     first = cut_batch(batch, microbatches)[0]
-    call = model_call_of(module, lambda microbatch: step(module, microbatch, 0), first, metrics_of(module), [""])
-    return context_parallel.shares((call.args, call.kwargs)) if context_parallel else (call.args, call.kwargs)
+    call = model_call_of(
+        module, lambda microbatch: step(module, microbatch, 0), first, metrics_of(module), callable_as_model
+    )
+    return ModelCall(call.path, *context_parallel.shares((call.args, call.kwargs))) if context_parallel else call

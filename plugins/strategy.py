@@ -176,7 +176,7 @@ class ParallelStrategy(CheckpointingStrategy):
             self.pretrained_load = load_pretrained(self.lightning_module, weights, tied, reader)
             rank_zero_info(f"lightdist: {self.pretrained_load.summary()}")
         if self._parallelized.traced_input is not None:
-            share_model_buffers(self.lightning_module, self._parallelized.stages)
+            share_model_buffers(self._parallelized.traced_input.module, self._parallelized.stages)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -203,7 +203,7 @@ class ParallelStrategy(CheckpointingStrategy):
             self.device_mesh,
             config,
             root=ModelHolder(module),
-            example_call=lambda: example_model_call(module, config.microbatches_run(self.layout.pp)),
+            example_call=partial(example_model_call, module, config.microbatches_run(self.layout.pp)),
             report=rank_zero_info,
         )
         if self._parallelized.stages:

@@ -61,6 +61,8 @@ CASES = {
         "zoo_hf_qwen2_shifted_logits_cp2": Case(strategy=CP2, model="zoo_hf_qwen2_shifted_logits", seq_len=31),
         "zoo_nanogpt_cp2_ring": Case(strategy=CP2_RING, model="zoo_nanogpt"),
         "zoo_litgpt_cp2": Case(strategy=CP2, model="zoo_litgpt"),
+        # Karpathy's lecture GPT: a module per head, each attending by hand under its tril buffer, on (x, y) pairs
+        "zoo_lecture_gpt_cp2_pairs": Case(strategy=CP2, model="zoo_lecture_gpt", data="pairs"),
         "gpt2_cp2_clip": Case(strategy=CP2, model="gpt2_no_bias", gradient_clip_val=0.1),
         # each block compiled, its attention handed to the ring as it runs
         "zoo_hf_llama_labels_cp2_ring_compiled": Case(
@@ -94,6 +96,8 @@ CASES = {
             gradient_clip_val=0.1,
             validate=True,
         ),
+        # the step calls self.model, an nn.Sequential of the whole network: that is traced
+        "held_sequential_pp2_traced": Case(strategy=dict(PP2, microbatches=4), model="held_sequential"),
         # Third-party model code, the step calling the network it holds (tests/zoo.py): nanoGPT's `logits, loss =
         # self.model(x, y)` with its head tied across the stages; Hugging Face models computing their own loss from
         # labels, returning .logits to the step's loss, and called as base model then head
@@ -245,8 +249,9 @@ CASES = {
         ),
         "zoo_nanogpt_pp2_cp2_ring": Case(strategy=dict(PP2, **CP2_RING), model="zoo_nanogpt"),
         "zoo_litgpt_pp2_cp2": Case(strategy=dict(PP2, **CP2), model="zoo_litgpt"),
-        # stages cut by torch's tracer, traced from a rank's share: positions learned (arange), and rotary (a table)
-        "pp2_cp2_traced_sequential_blocks_tied": Case(strategy=dict(PP2, **CP2), model="sequential_blocks"),
+        # stages cut by torch's tracer, traced from a rank's share: of the module the step calls (self.model), and
+        # with rotary positions (a table's rows)
+        "held_sequential_pp2_cp2_traced": Case(strategy=dict(PP2, **CP2), model="held_sequential"),
         "pp2_cp2_traced_on_request_clip": Case(
             strategy=dict(PP2, **CP2, microbatches=4, pipeline_tracer=True), gradient_clip_val=0.1
         ),

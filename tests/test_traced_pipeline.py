@@ -10,11 +10,18 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightdist.activation_checkpointing import apply_activation_checkpointing
-from lightdist.pipeline.traced import TracedInput, drop_other_stages, trace_stages, traced_stage_sizes
-from lightdist.structure import find_repeated_blocks
+from lightdist.pipeline.traced import (
+    TracedInput,
+    drop_other_stages,
+    modules_around_blocks,
+    trace_stages,
+    traced_stage_sizes,
+)
+from lightdist.structure import find_decoder_stack, find_repeated_blocks
 from lightdist.traced_calls import as_called
 
-from training import SequentialBlocksLM, TwoStreamLM
+from training import HeldSequentialLM, SequentialBlocksLM, TwoStreamLM
+from zoo import GPTLanguageModel, LectureGPT
 
 
 class Block(nn.Module):
@@ -44,6 +51,15 @@ def test_blocks_are_the_outermost_repeated_modules() -> None:
     assert find_repeated_blocks(BlocksAsAttributes()) == ["first", "second", "third"]
     assert find_repeated_blocks(SequentialBlocksLM(1e-3, 2)) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
     assert find_repeated_blocks(nn.Sequential(nn.Linear(4, 4))) == []
+    # Karpathy's lecture GPT: blocks in an nn.Sequential, each with a ModuleList of heads, which is no decoder stack
+    lecture = LectureGPT(1e-3, 2)
+    assert find_repeated_blocks(lecture) == [f"model.blocks.{index}" for index in range(4)]
+    with pytest.raises(ValueError, match=r"ModuleLists seen: model.blocks.0.sa.heads \(4 x Head\)"):
+        find_decoder_stack(lecture)
+    # what the step may call as the model: the LightningModule, or the network it holds, not the blocks' container
+    assert modules_around_blocks(lecture, find_repeated_blocks(lecture)) == ["", "model"]
+    held = HeldSequentialLM(1e-3, 2)  # the whole network one nn.Sequential: blocks model.1 to model.4
+    assert modules_around_blocks(held, find_repeated_blocks(held)) == ["", "model"]
 
 
 def test_traced_stages_compute_the_model_and_share_its_tied_weight() -> None:
@@ -132,8 +148,18 @@ def test_a_model_neither_cut_can_split_says_what_to_change() -> None:
     assert "forward" not in model.second.__dict__  # the tracer's split markers are removed again
 
 
+def test_an_argument_only_a_later_stage_reads_is_refused_by_name() -> None:
+    # The lecture GPT computes its loss from targets after its blocks: the second stage would need them
+    model, tokens = GPTLanguageModel(), torch.randint(0, 64, (2, 16))
+    blocks = find_repeated_blocks(model)
+    with pytest.raises(
+        ValueError, match=r"reads its argument targets in pipeline stage 1 only, .* Compute the loss in"
+    ):
+        trace_stages(model, ((tokens, tokens), {}), blocks, [2, 2], torch.device("cpu"))
+
+
 def test_traced_stages_take_the_traced_shape_only() -> None:
-    traced_input = TracedInput(BlocksAsAttributes().forward, ((torch.zeros(2, 8),), {}))
+    traced_input = TracedInput(BlocksAsAttributes(), ((torch.zeros(2, 8),), {}))
     first, second = torch.zeros(2, 8), torch.ones(2, 8)
 
     (joined,) = traced_input([((first,), {}), ((second,), {})])  # the schedule cuts it back into the two
@@ -155,15 +181,18 @@ def test_the_tracer_hands_every_stream_to_the_next_stage() -> None:
 
 
 class CallsWhatContextParallelismReads(nn.Module):
-    """Positions by ``arange``, a table's rows by slicing, scores by hand, a reduction over positions."""
+    """Positions by ``arange``, a table's rows and a mask's corner by slicing, scores by hand, a reduction over
+    positions."""
 
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("table", torch.randn(64, 16))
+        self.register_buffer("mask", torch.ones(64, 64).tril())
 
     def forward(self, x: Tensor) -> Tensor:
         positions = self.table[: x.size(1)] + torch.arange(x.size(1))[:, None]
         scores = (x + positions) @ x.transpose(-2, -1)
+        scores = scores.masked_fill(self.mask[: x.size(1), : x.size(1)] == 0, -1e9)
         return scores.softmax(-1)[:, 1:].sum(1)
 
 
@@ -187,6 +216,8 @@ def test_a_traced_stage_makes_the_calls_its_model_made() -> None:
         torch.testing.assert_close(stage(x), model(x))
     made = {call[0] for call in calls.made}
     assert {torch.arange, torch.matmul, torch.softmax, torch.sum} <= made
-    assert (Tensor.__getitem__, slice(0, 8, 1)) in calls.made  # the table's first rows
-    assert (Tensor.__getitem__, (slice(None), slice(1, 8, 1))) in calls.made  # x[:, 1:], its open end made 8
+    # torch.export records a slice per dimension, with open ends as 2**63 - 1: the stage indexes as the model's code
+    assert (Tensor.__getitem__, slice(None, 8)) in calls.made  # the table's first rows
+    assert (Tensor.__getitem__, (slice(None), slice(1, None))) in calls.made  # scores[:, 1:]
+    assert (Tensor.__getitem__, (slice(None, 8), slice(None, 8))) in calls.made  # a mask's corner, as one index
     assert (torch.sum, [1]) in calls.made

@@ -176,6 +176,20 @@ class SequentialBlocksLM(CausalLM):
         return self.unembed(self.final_norm(self.blocks(x)))
 
 
+class HeldSequentialLM(CausalLM):
+    """The whole network one ``nn.Sequential`` held as ``self.model`` (embedding, blocks, norm, head; no positions),
+    the step calling ``self.model(inputs)``: the tracer traces the module the step calls."""
+
+    def __init__(self, learning_rate: float, warmup_steps: int, weight_decay: float = 0.1) -> None:
+        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, warmup_steps=warmup_steps)
+        blocks = (_Block(64) for _ in range(4))
+        self.model = nn.Sequential(nn.Embedding(64, 64), *blocks, nn.LayerNorm(64), nn.Linear(64, 64, bias=False))
+
+    def loss(self, batch: Tensor) -> Tensor:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        return F.cross_entropy(self.model(inputs).flatten(0, 1), targets.flatten())
+
+
 class _TwoStreamBlock(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -339,6 +353,8 @@ MODELS = {
         zoo.HuggingFaceFineTuning, model_type="mixtral", **dict(zoo.HF_TINY_MOE, **zoo.HF_MOE_FAMILIES["mixtral"])
     ),
     "zoo_nanogpt_pairs": zoo.NanoGPTOnPairs,
+    "zoo_lecture_gpt": zoo.LectureGPT,
+    "held_sequential": HeldSequentialLM,
 }
 # The zoo's other Hugging Face families, fine-tuned on collator batches as HuggingFaceFineTuning trains them.
 ZOO_FAMILIES = ("qwen2_logits", "mistral_logits", "phi3_labels", "neox_logits", "opt_labels", "gemma_labels")

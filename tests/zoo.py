@@ -6,7 +6,8 @@ loss from ``labels``), an optimizer of its own. The equivalence suite trains eac
 fused projection with ``split(self.n_embd)`` and reshapes with the input's global sizes, weights initialised in
 ``__init__``, the LM head tied to the token embedding, ``forward(idx, targets)`` returning ``(logits, loss)``.
 ``LitGPT`` trains LitGPT's own ``GPT`` (pip's ``litgpt``), whose attention reads its head counts from the config
-object every block shares and gets its rotary tables as arguments.
+object every block shares and gets its rotary tables as arguments. ``LectureGPT`` trains the GPT of Karpathy's
+lecture "Let's build GPT" (``ng-video-lecture``'s ``gpt.py``): a module per head, blocks in an ``nn.Sequential``.
 """
 
 from __future__ import annotations
@@ -220,6 +221,146 @@ class NanoGPT(LightningModule):
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.learning_rate, weight_decay=0.1)
         warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: min(1.0, (it + 1) / (self.warmup_steps + 1)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+
+# The GPT of Karpathy's lecture "Let's build GPT" (github.com/karpathy/ng-video-lecture, ``gpt.py``), kept as written
+# there but for its sizes, module globals there, arguments here: heads as modules of their own, each attending by hand
+# under a ``tril`` buffer sliced ``[:T, :T]``, their outputs joined by ``torch.cat``; the blocks in an nn.Sequential.
+
+
+class Head(nn.Module):
+    """one head of self-attention"""
+
+    def __init__(self, n_embd, head_size, block_size, dropout):
+        super().__init__()
+        self.key = nn.Linear(n_embd, head_size, bias=False)
+        self.query = nn.Linear(n_embd, head_size, bias=False)
+        self.value = nn.Linear(n_embd, head_size, bias=False)
+        self.register_buffer("tril", torch.tril(torch.ones(block_size, block_size)))
+
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        # input of size (batch, time-step, channels)
+        # output of size (batch, time-step, head size)
+        B, T, C = x.shape
+        k = self.key(x)  # (B,T,hs)
+        q = self.query(x)  # (B,T,hs)
+        # compute attention scores ("affinities")
+        wei = q @ k.transpose(-2, -1) * k.shape[-1] ** -0.5  # (B, T, hs) @ (B, hs, T) -> (B, T, T)
+        wei = wei.masked_fill(self.tril[:T, :T] == 0, float("-inf"))  # (B, T, T)
+        wei = F.softmax(wei, dim=-1)  # (B, T, T)
+        wei = self.dropout(wei)
+        # perform the weighted aggregation of the values
+        v = self.value(x)  # (B,T,hs)
+        out = wei @ v  # (B, T, T) @ (B, T, hs) -> (B, T, hs)
+        return out
+
+
+class MultiHeadAttention(nn.Module):
+    """multiple heads of self-attention in parallel"""
+
+    def __init__(self, n_embd, num_heads, head_size, block_size, dropout):
+        super().__init__()
+        self.heads = nn.ModuleList([Head(n_embd, head_size, block_size, dropout) for _ in range(num_heads)])
+        self.proj = nn.Linear(head_size * num_heads, n_embd)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        out = torch.cat([h(x) for h in self.heads], dim=-1)
+        out = self.dropout(self.proj(out))
+        return out
+
+
+class FeedFoward(nn.Module):
+    """a simple linear layer followed by a non-linearity"""
+
+    def __init__(self, n_embd, dropout):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(n_embd, 4 * n_embd),
+            nn.ReLU(),
+            nn.Linear(4 * n_embd, n_embd),
+            nn.Dropout(dropout),
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class LectureBlock(nn.Module):
+    """Transformer block: communication followed by computation"""
+
+    def __init__(self, n_embd, n_head, block_size, dropout):
+        # n_embd: embedding dimension, n_head: the number of heads we'd like
+        super().__init__()
+        head_size = n_embd // n_head
+        self.sa = MultiHeadAttention(n_embd, n_head, head_size, block_size, dropout)
+        self.ffwd = FeedFoward(n_embd, dropout)
+        self.ln1 = nn.LayerNorm(n_embd)
+        self.ln2 = nn.LayerNorm(n_embd)
+
+    def forward(self, x):
+        x = x + self.sa(self.ln1(x))
+        x = x + self.ffwd(self.ln2(x))
+        return x
+
+
+class GPTLanguageModel(nn.Module):
+    def __init__(self, vocab_size=64, n_embd=64, n_head=4, n_layer=4, block_size=64, dropout=0.0):
+        super().__init__()
+        # each token directly reads off the logits for the next token from a lookup table
+        self.token_embedding_table = nn.Embedding(vocab_size, n_embd)
+        self.position_embedding_table = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.Sequential(*[LectureBlock(n_embd, n_head, block_size, dropout) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(n_embd)  # final layer norm
+        self.lm_head = nn.Linear(n_embd, vocab_size)
+
+        # better init, not covered in the original GPT video, but important, will cover in followup video
+        self.apply(self._init_weights)
+
+    _init_weights = GPT._init_weights  # the lecture's own is nanoGPT's, word for word
+
+    def forward(self, idx, targets=None):
+        B, T = idx.shape
+
+        # idx and targets are both (B,T) tensor of integers
+        tok_emb = self.token_embedding_table(idx)  # (B,T,C)
+        pos_emb = self.position_embedding_table(torch.arange(T, device=idx.device))  # (T,C)
+        x = tok_emb + pos_emb  # (B,T,C)
+        x = self.blocks(x)  # (B,T,C)
+        x = self.ln_f(x)  # (B,T,C)
+        logits = self.lm_head(x)  # (B,T,vocab_size)
+
+        if targets is None:
+            loss = None
+        else:
+            B, T, C = logits.shape
+            logits = logits.view(B * T, C)
+            targets = targets.view(B * T)
+            loss = F.cross_entropy(logits, targets)
+
+        return logits, loss
+
+
+class LectureGPT(LightningModule):
+    """The lecture's ``GPTLanguageModel`` as ``self.model``, trained on the ``(x, y)`` pairs its ``get_batch`` makes;
+    the step unpacks its ``(logits, loss)``. With its blocks in an nn.Sequential, pipeline stages are cut by torch's
+    tracer, from the step's call of ``self.model``."""
+
+    def __init__(self, learning_rate: float, warmup_steps: int) -> None:
+        super().__init__()
+        self.learning_rate = learning_rate
+        self.model = GPTLanguageModel()
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        xb, yb = batch
+        logits, loss = self.model(xb, yb)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.model.parameters(), lr=self.learning_rate)
 
 
 HF_TINY = dict(vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4)

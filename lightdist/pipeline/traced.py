@@ -16,7 +16,7 @@ trace saw.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+import operator
 from typing import Any
 
 import torch
@@ -25,15 +25,34 @@ from torch.distributed.pipelining import SplitPoint, pipeline
 from torch.export.unflatten import InterpreterModule
 
 from lightdist.pipeline.structural import balanced_split
+from lightdist.structure import CONTAINERS
 
 __all__ = [
     "TracedInput",
     "adopt_parameters",
     "drop_other_stages",
+    "modules_around_blocks",
     "share_model_buffers",
     "trace_stages",
     "traced_stage_sizes",
 ]
+
+
+def modules_around_blocks(model: nn.Module, block_names: list[str]) -> list[str]:
+    """Names of the modules a training step may call as the model, the model itself (``""``) first: those holding
+    every block (``self(x)``, ``self.model(x)``), but not a container of blocks only (``self.blocks``, an
+    ``nn.Sequential`` of them), whose call leaves the embeddings and the head outside the pipeline."""
+    parts = block_names[0].split(".")[:-1]
+    holders = [".".join(parts[:depth]) for depth in range(len(parts) + 1)]
+    around = [name for name in holders if all(block.startswith(f"{name}.") or not name for block in block_names)]
+    return [name for name in around if not _holds_blocks_only(model, name, block_names)]
+
+
+def _holds_blocks_only(model: nn.Module, name: str, block_names: list[str]) -> bool:
+    if not name or not isinstance(model.get_submodule(name), CONTAINERS):
+        return False
+    children = {f"{name}.{child}" for child, _ in model.get_submodule(name).named_children()}
+    return children <= set(block_names)
 
 
 def traced_stage_sizes(model: nn.Module, block_names: list[str], stages: int) -> list[int]:
@@ -81,6 +100,7 @@ def trace_stages(
             for added in set(vars(block)) - set(attributes):
                 delattr(block, added)
             vars(block).update(attributes)
+    _check_inputs_enter_first(pipe.split_gm.graph, type(model).__name__)
     stages = [pipe.get_stage_module(index) for index in range(pipe.num_stages)]
     if len(stages) != len(sizes):
         raise ValueError(
@@ -88,25 +108,99 @@ def trace_stages(
             f"forward does not call the blocks {', '.join(starts)} in order. Call each block once, in order."
         )
     for stage in stages:
-        _make_factory_calls_on(stage, device)
+        for graph_module in _graph_modules(stage):
+            _make_factory_calls_on(graph_module, device)
+            _slices_as_indexing(graph_module)
+            graph_module.recompile()
         _drop_uncalled(stage)
         _use_model_parameters(model, stage)
     return stages
 
 
-def _make_factory_calls_on(stage: fx.GraphModule, device: torch.device) -> None:
-    """Make a traced stage's factory calls (``torch.zeros(..., device=...)``) make tensors on ``device``: the tracer
-    records the example's device in them. As torch's ``Pipe.build_stage`` does, in the stage's graph and in its
-    submodules' (the ``InterpreterModule``s the tracer outlines the model's modules into; those it made for
-    containers such as a ``ModuleList`` run no graph, and have no ``graph_module``)."""
+def _check_inputs_enter_first(split: fx.Graph, model_name: str) -> None:
+    """Refuse a model call whose argument only a later stage reads (nanoGPT's ``targets``, for a loss computed in
+    the model): the schedule hands the call's arguments to the first stage, which does not pass it on."""
+    stage_calls = [node for node in split.nodes if node.op == "call_module"]
+    for stage, call in enumerate(stage_calls[1:], start=1):
+        late = [arg.name for arg in call.all_input_nodes if arg.op == "placeholder"]
+        if late:
+            raise ValueError(
+                f"{model_name}'s forward reads its argument {late[0]} in pipeline stage {stage} only, which stages cut "
+                "by torch's tracer cannot pass on: the first stage takes the model call's arguments. Compute the "
+                "loss in the step from the logits the model returns, or keep the transformer blocks in one "
+                "nn.ModuleList, whose stages take any argument."
+            )
+
+
+def _graph_modules(stage: fx.GraphModule) -> list[fx.GraphModule]:
+    """The graphs a traced stage runs: its own and its submodules' (the ``InterpreterModule``s the tracer outlines the
+    model's modules into; those it made for containers such as a ``ModuleList`` run no graph, and have no
+    ``graph_module``)."""
+    found = []
     for module in stage.modules():
         graph_module = getattr(module, "graph_module", None) if isinstance(module, InterpreterModule) else module
-        if not isinstance(graph_module, fx.GraphModule):
+        if isinstance(graph_module, fx.GraphModule):
+            found.append(graph_module)
+    return found
+
+
+def _make_factory_calls_on(graph_module: fx.GraphModule, device: torch.device) -> None:
+    """Make a traced graph's factory calls (``torch.zeros(..., device=...)``) make tensors on ``device``: the tracer
+    records the example's device in them. As torch's ``Pipe.build_stage`` does."""
+    for node in graph_module.graph.nodes:
+        if node.op == "call_function" and node.kwargs.get("device", device) != device:
+            node.update_kwarg("device", device)
+
+
+def _slices_as_indexing(graph_module: fx.GraphModule) -> None:
+    """Write each run of ``aten.slice`` calls on one tensor (torch.export records one per dimension) as the one index
+    the model's code wrote: ``tril[:T, :T]``, ``cos[:T]``, ``x[:, 1:]``. What reads a model's calls (context
+    parallelism: a table's rows are ``cos[:T]``, a mask ``tril[:T, :T]``) then reads a traced stage's alike."""
+    graph = graph_module.graph
+    for node in list(graph.nodes):
+        if not _is_slice(node) or any(_is_slice(user) for user in node.users):
+            continue  # joined from the last slice of a run
+        chain, index = [node], {}
+        while True:
+            sliced = _slice_of(chain[-1])
+            if sliced is None or sliced[0] in index:
+                chain.pop()
+                break
+            index[sliced[0]] = sliced[1]
+            source = chain[-1].args[0]
+            if not _is_slice(source) or len(source.users) != 1:
+                break
+            chain.append(source)
+        if not chain:
             continue
-        for node in graph_module.graph.nodes:
-            if node.op == "call_function" and node.kwargs.get("device", device) != device:
-                node.update_kwarg("device", device)
-        graph_module.recompile()
+        source = chain[-1].args[0]
+        written = tuple(index.get(dim, slice(None)) for dim in range(max(index) + 1))
+        with graph.inserting_before(node):
+            joined = graph.call_function(operator.getitem, (source, written[0] if len(written) == 1 else written))
+        joined.meta = dict(node.meta)
+        node.replace_all_uses_with(joined)
+        for link in chain:
+            graph.erase_node(link)
+
+
+def _is_slice(node: Any) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target == torch.ops.aten.slice.Tensor
+
+
+def _slice_of(node: fx.Node) -> tuple[int, slice] | None:
+    """The dimension ``node``'s ``aten.slice`` slices and the slice as code writes it (``None`` for an end the tracer
+    wrote as ``9223372036854775807`` or as the size); ``None`` where its sizes are not plain numbers."""
+    names = ("dim", "start", "end", "step")
+    given = dict(zip(names, node.args[1:], strict=False)) | {k: v for k, v in node.kwargs.items() if k in names}
+    dim, start, end, step = (given.get(name, default) for name, default in zip(names, (0, None, None, 1), strict=True))
+    value = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    if not isinstance(value, Tensor) or not all(isinstance(n, int | None) for n in (dim, start, end, step)):
+        return None
+    size = value.size(dim)
+    if not isinstance(size, int):
+        return None
+    end = None if end is not None and end >= size else end
+    return dim % value.dim(), slice(start or None, end, None if step == 1 else step)
 
 
 def _drop_uncalled(stage: fx.GraphModule) -> None:
@@ -173,9 +267,9 @@ class TracedInput:
     schedules hand keyword arguments to every stage, checked against the shapes the trace fixed, and joined along
     the batch, which the schedule cuts back into the same microbatches."""
 
-    def __init__(self, forward: Callable[..., Any], example: tuple[tuple, dict]) -> None:
-        """``example``: one microbatch's model call, as the trace saw it."""
-        self.forward = forward
+    def __init__(self, module: nn.Module, example: tuple[tuple, dict]) -> None:
+        """``module``: what was traced; ``example``: one microbatch's call of it, as the trace saw it."""
+        self.module = module
         self.shapes = [tuple(t.shape) for t in self._positional(example) if isinstance(t, Tensor)]
 
     def __call__(self, calls: list[tuple[tuple, dict]]) -> tuple:
@@ -202,7 +296,7 @@ class TracedInput:
         args, kwargs = call
         if not kwargs:
             return args
-        bound = inspect.signature(self.forward).bind(*args, **kwargs)
+        bound = inspect.signature(self.module.forward).bind(*args, **kwargs)
         if bound.kwargs:
             raise ValueError(
                 "Pipeline stages cut by tracing take the model's inputs by position, but forward takes "
