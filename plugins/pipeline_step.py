@@ -219,7 +219,7 @@ class PipelineStep:
         self.token_weights = token_weights
         last = [stage.submod for stage in stages if stage.is_last]
         # The model call's answer on the last stage, whole (structure-cut stages hand on the output's tensors only).
-        self._whole_output = last[0].whole_output if last and traced_input is None else lambda output: output
+        self._whole_output = last[0].whole_output if last else lambda output: output
         self._called = ""  # the module the step calls as the model, learned with each batch's call
         self.pp_group, self.last = stages[0].group, any(stage.is_last for stage in stages)
         self.first = any(stage.is_first for stage in stages)

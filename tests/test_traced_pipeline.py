@@ -158,6 +158,17 @@ def test_an_argument_only_a_later_stage_reads_is_refused_by_name() -> None:
         trace_stages(model, ((tokens, tokens), {}), blocks, [2, 2], torch.device("cpu"))
 
 
+def test_the_last_stage_gives_the_step_what_the_model_returns() -> None:
+    # Without targets the lecture GPT returns (logits, None): the stage returns the logits alone, which a step's
+    # `logits, _ = self.model(x)` would split in two along the batch
+    model, tokens = GPTLanguageModel(), torch.randint(0, 64, (2, 16))
+    first, last = trace_stages(model, ((tokens,), {}), find_repeated_blocks(model), [2, 2], torch.device("cpu"))
+
+    logits, loss = last.whole_output(last(first(tokens)))
+    torch.testing.assert_close(logits, model(tokens)[0])
+    assert loss is None
+
+
 def test_traced_stages_take_the_traced_shape_only() -> None:
     traced_input = TracedInput(BlocksAsAttributes(), ((torch.zeros(2, 8),), {}))
     first, second = torch.zeros(2, 8), torch.ones(2, 8)

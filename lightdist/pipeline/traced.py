@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -107,6 +108,7 @@ def trace_stages(
             f"Tracing {type(model).__name__} gave {len(stages)} pipeline stages where {len(sizes)} were asked for: its "
             f"forward does not call the blocks {', '.join(starts)} in order. Call each block once, in order."
         )
+    stages[-1].whole_output = _model_output(pipe.split_gm.graph, type(model).__name__)
     for stage in stages:
         for graph_module in _graph_modules(stage):
             _make_factory_calls_on(graph_module, device)
@@ -130,6 +132,26 @@ def _check_inputs_enter_first(split: fx.Graph, model_name: str) -> None:
                 "loss in the step from the logits the model returns, or keep the transformer blocks in one "
                 "nn.ModuleList, whose stages take any argument."
             )
+
+
+def _model_output(split: fx.Graph, model_name: str) -> Callable[[Any], Any]:
+    """What makes the model's output from the last stage's: the stage returns tensors only, where the model's
+    ``forward`` may return more around them (nanoGPT's ``(logits, None)`` without targets, whose unpacking would
+    otherwise split the logits)."""
+    (returned,) = next(node for node in split.nodes if node.op == "output").args
+    last = [node for node in split.nodes if node.op == "call_module"][-1]
+
+    def value_of(node: fx.Node, output: Any) -> Any:
+        if node is last:
+            return output
+        if node.op == "call_function" and node.target is operator.getitem and node.args[0] is last:
+            return output[node.args[1]]
+        raise ValueError(
+            f"{model_name}'s forward returns {node.name}, which its last pipeline stage does not compute. Return only "
+            "what the last blocks and the head compute, or keep the transformer blocks in one nn.ModuleList."
+        )
+
+    return lambda output: fx.node.map_arg(returned, lambda node: value_of(node, output))
 
 
 def _graph_modules(stage: fx.GraphModule) -> list[fx.GraphModule]:
