@@ -136,8 +136,9 @@ def _check_inputs_enter_first(split: fx.Graph, model_name: str) -> None:
 
 def _model_output(split: fx.Graph, model_name: str) -> Callable[[Any], Any]:
     """What makes the model's output from the last stage's: the stage returns tensors only, where the model's
-    ``forward`` may return more around them (nanoGPT's ``(logits, None)`` without targets, whose unpacking would
-    otherwise split the logits)."""
+    ``forward`` may return more beside them (nanoGPT's ``(logits, None)`` without targets, whose unpacking would
+    otherwise split the logits). The traced graph returns its outputs flattened: one is the model's output, several
+    its tuple."""
     (returned,) = next(node for node in split.nodes if node.op == "output").args
     last = [node for node in split.nodes if node.op == "call_module"][-1]
 
@@ -151,7 +152,11 @@ def _model_output(split: fx.Graph, model_name: str) -> Callable[[Any], Any]:
             "what the last blocks and the head compute, or keep the transformer blocks in one nn.ModuleList."
         )
 
-    return lambda output: fx.node.map_arg(returned, lambda node: value_of(node, output))
+    def model_output(output: Any) -> Any:
+        values = fx.node.map_arg(returned, lambda node: value_of(node, output))
+        return values[0] if isinstance(values, tuple | list) and len(values) == 1 else values
+
+    return model_output
 
 
 def _graph_modules(stage: fx.GraphModule) -> list[fx.GraphModule]:
