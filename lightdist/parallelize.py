@@ -444,7 +444,9 @@ def _parallelize_traced(
     block_names = [name.removeprefix(prefix) for name in block_names]
     stages = trace_stages(traced, tuple(example), block_names, sizes, _device_of(mesh))
     report(f"lightdist: pipeline stages of {type(traced).__name__} cut by torch's tracer: {sizes} blocks.")
-    tied = [(prefix + first, prefix + last) for first, last in tied_names(*(s.named_parameters() for s in stages))]
+    tied = [
+        (prefix + a, prefix + b) for a, b in tied_names(stages[0].named_parameters(), stages[-1].named_parameters())
+    ]
     indices = stages_of_rank(mesh["pp"].get_local_rank(), pp, config.stages_per_pipeline_rank)
     stages = [stages[index] for index in indices]
     drop_other_stages(traced, stages)
