@@ -1,9 +1,13 @@
 """What context parallelism costs and saves: step time and activation memory per rank of one long sequence, at each
 context-parallel size, by ring and by all-to-all.
 
-A Llama of 2 blocks (width 256, 8 heads) takes a forward and backward of one sequence, on ``cp`` CPU ranks (gloo, one
-thread each) holding 1/cp of it. Activation memory is what the forward keeps for backward besides the weights,
-counted as it is saved (the peak a rank's backward starts from). Each rank sends, per block and step:
+A Llama (by default 2 blocks, width 256, 8 heads) takes a forward and backward of one sequence on ``cp`` ranks holding
+1/cp of it, joined by gloo: on CPU one thread each; with ``--device cuda`` all on the one GPU (NCCL refuses two ranks
+a GPU; gloo passes CUDA tensors through host memory), so that each rank's memory is what a rank of its own GPU holds,
+but the ranks share the GPU's time and their exchanges go through the host: cp > 1 step times there are no multi-GPU
+figures. Activation memory is what the forward keeps for backward besides the weights, counted as it is saved (the
+peak a rank's backward starts from); on a GPU, the step's peak allocation above the weights is shown too, and the
+loss, which each size computes alike. Each rank sends, per block and step:
 
     ring:        3 x (cp - 1) x tokens / cp x key/value width x 2 x bytes   (keys and values around the ring forward;
                                                                              again, with their gradients, in backward)
@@ -11,13 +15,19 @@ counted as it is saved (the peak a rank's backward starts from). Each rank sends
 
     python bench/context_parallel.py                        # 4k, 8k and 16k tokens; cp 1, 2 and 4
     python bench/context_parallel.py --lengths 4096 --sizes 1 2 --repeats 1
+    python bench/context_parallel.py --device cuda --precision bf16-mixed --dim 2048 --heads 16 --layers 4 \
+        --lengths 16384 65536 --sizes 1 2
 """
 
 from __future__ import annotations
 
 import argparse
+import queue
 import statistics
 import time
+import traceback
+from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -33,15 +43,23 @@ from lightdist.models.llama import LlamaConfig, LlamaModel
 METHODS = ("ring", "all_to_all")
 
 
-def build(max_seq_len: int) -> LlamaModel:
+def build(args: argparse.Namespace, device: torch.device) -> LlamaModel:
     torch.manual_seed(0)
-    return LlamaModel(
-        LlamaConfig(vocab_size=256, dim=256, n_layers=2, n_heads=8, n_kv_heads=8, ffn_dim=512, max_seq_len=max_seq_len)
+    config = LlamaConfig(
+        vocab_size=256,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.heads,
+        ffn_dim=2 * args.dim,
+        max_seq_len=max(args.lengths),
     )
+    return LlamaModel(config).to(device)
 
 
-def step(model: LlamaModel, windows: Tensor, cp: ContextParallel | None) -> tuple[float, int]:
-    """One forward and backward: its seconds and the activation bytes the forward kept."""
+def step(model: LlamaModel, windows: Tensor, cp: ContextParallel | None, bf16: bool) -> tuple[float, int, int, float]:
+    """One forward and backward: its seconds, the activation bytes the forward kept, the peak bytes allocated above
+    what was before (on a GPU), and the loss over the whole sequence."""
     weights = {parameter.data_ptr() for parameter in model.parameters()}
     saved = 0
 
@@ -52,39 +70,62 @@ def step(model: LlamaModel, windows: Tensor, cp: ContextParallel | None) -> tupl
         return tensor
 
     def loss_of(batch: Tensor) -> Tensor:
-        return F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+        with torch.autocast(windows.device.type, torch.bfloat16) if bf16 else nullcontext():
+            return F.cross_entropy(model(batch[:, :-1]).flatten(0, 1).float(), batch[:, 1:].flatten())
 
+    on_gpu = windows.device.type == "cuda"
+    if on_gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
     start = time.perf_counter()
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        if cp is None:
-            loss = loss_of(windows)
-        else:
-            with cp.active():
-                loss = loss_of(cp.shard_batch(windows))
-    if cp is None:
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor), split(cp):
+        loss = loss_of(windows if cp is None else cp.shard_batch(windows))
+    with split(cp):
         loss.backward()
-    else:
-        with cp.active():
-            loss.backward()
+    if on_gpu:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() - before if on_gpu else 0
     model.zero_grad(set_to_none=True)
-    return time.perf_counter() - start, saved
+    if cp is not None:  # each rank's mean over its half of the tokens; the sequence's is their mean
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+        loss /= cp.size
+    return seconds, saved, peak, loss.item()
 
 
-def measure(rank: int, size: int, port: int, lengths: list[int], repeats: int, results) -> None:
+def split(cp: ContextParallel | None) -> AbstractContextManager:
+    return cp.active() if cp is not None else nullcontext()
+
+
+def measure(rank: int, size: int, port: int, args: argparse.Namespace, results) -> None:
     join_ranks(rank, size, port)
+    device = torch.device(args.device)
     if size > 1:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timedelta(seconds=300))
         mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("cp",))["cp"]
-    model = build(max(lengths))
-    for seq_len in lengths:
+    model = build(args, device)
+    for seq_len in args.lengths:
         windows = torch.randint(0, 256, (1, seq_len + 1), generator=torch.Generator().manual_seed(seq_len))
+        windows = windows.to(device)
         for method in METHODS if size > 1 else ("none",):
             cp = ContextParallel(mesh, method, model) if size > 1 else None
-            step(model, windows[:, : 2 * 4 * size + 1], cp)  # warm-up
-            runs = [step(model, windows, cp) for _ in range(repeats)]
+            try:
+                step(model, windows[:, : 2 * 4 * size + 1], cp, args.precision == "bf16-mixed")  # warm-up
+                runs = [step(model, windows, cp, args.precision == "bf16-mixed") for _ in range(args.repeats)]
+            except torch.OutOfMemoryError:
+                model.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+                runs, error = [], "out of memory"
+            except Exception:  # the row says what failed, and the next ones still run
+                runs, error = [], traceback.format_exc()
             if rank == 0:
-                seconds = statistics.median(run[0] for run in runs)
-                results.put((seq_len, size, method, seconds, runs[0][1]))
+                if runs:
+                    seconds = statistics.median(run[0] for run in runs)
+                    results.put((seq_len, size, method, seconds, *runs[0][1:], ""))
+                else:
+                    results.put((seq_len, size, method, 0.0, 0, 0, 0.0, error))
     if size > 1:
         dist.destroy_process_group()
 
@@ -94,29 +135,51 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true")
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--size-timeout", type=float, default=600.0, help="seconds for all lengths at one size")
     args = parser.parse_args()
     context = mp.get_context("spawn")
     results = context.Queue()
     rows = []
     for size in args.sizes:
         port = free_port()
-        ranks = [
-            context.Process(target=measure, args=(rank, size, port, args.lengths, args.repeats, results))
-            for rank in range(size)
-        ]
+        ranks = [context.Process(target=measure, args=(rank, size, port, args, results)) for rank in range(size)]
         for process in ranks:
             process.start()
-        rows += [results.get() for _ in range(len(args.lengths) * (len(METHODS) if size > 1 else 1))]
+        deadline = time.monotonic() + args.size_timeout
+        try:
+            for _ in range(len(args.lengths) * (len(METHODS) if size > 1 else 1)):
+                rows.append(results.get(timeout=max(deadline - time.monotonic(), 1)))
+                seq_len, _, method, seconds, *_, error = rows[-1]
+                outcome = error.strip().splitlines()[-1] if error else f"{seconds:.3f} s"
+                print(f"cp={size}, {method}, {seq_len} tokens: {outcome}")
+        except queue.Empty:
+            print(f"cp={size}: no result within --size-timeout {args.size_timeout:.0f} s; its ranks are stopped")
         for process in ranks:
-            process.join()
-            if process.exitcode:
-                raise SystemExit(f"cp={size}: a rank failed (exit code {process.exitcode})")
-    one_rank = {seq_len: saved for seq_len, size, _, _, saved in rows if size == 1}
-    print("| tokens | cp | attention | step (s) | activations per rank (MiB) | x one rank's |")
-    print("|---|---|---|---|---|---|")
-    for seq_len, size, method, seconds, saved in sorted(rows):
+            process.join(timeout=max(deadline - time.monotonic(), 1))
+            if process.is_alive():
+                process.kill()
+            elif process.exitcode:
+                print(f"cp={size}: a rank failed (exit code {process.exitcode})")
+    one_rank = {seq_len: saved for seq_len, size, _, _, saved, *_ in rows if size == 1 and saved}
+    print(f"{args.device}, {args.precision}, width {args.dim}, {args.heads} heads, {args.layers} blocks")
+    print("| tokens | cp | attention | step (s) | activations per rank (MiB) | x one rank's | peak (MiB) | loss |")
+    print("|---|---|---|---|---|---|---|---|")
+    for seq_len, size, method, seconds, saved, peak, loss, error in sorted(rows):
+        if error:
+            print(f"| {seq_len} | {size} | {method} | {error.strip().splitlines()[-1]} | | | | |")
+            continue
         share = f"{saved / one_rank[seq_len]:.2f}" if seq_len in one_rank else ""
-        print(f"| {seq_len} | {size} | {method} | {seconds:.3f} | {saved / 2**20:.1f} | {share} |")
+        peak_mib = f"{peak / 2**20:.0f}" if peak else ""
+        figures = f"{seconds:.3f} | {saved / 2**20:.1f} | {share} | {peak_mib} | {loss:.6f}"
+        print(f"| {seq_len} | {size} | {method} | {figures} |")
+    for *_, error in rows:
+        if error and error != "out of memory":
+            print(error)
 
 
 if __name__ == "__main__":

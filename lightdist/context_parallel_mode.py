@@ -21,12 +21,12 @@ from torch.overrides import TorchFunctionMode
 from lightdist.attention_by_hand import BY_HAND_OPS, AttentionByHand
 from lightdist.loss_tokens import IGNORE_INDEX
 from lightdist.sequence_shard import ELEMENTWISE, SequenceShard, expanded_index, unwrapped
-from lightdist.traced_calls import as_called
+from lightdist.traced_calls import as_called, functions_of_ops
 
 if TYPE_CHECKING:
     from lightdist.context_parallel import ContextParallel
 
-__all__ = ["ContextParallelMode", "shares_into_tensor_parallel_modules"]
+__all__ = ["TRACED_CALLS", "ContextParallelMode", "shares_into_tensor_parallel_modules"]
 
 # Ops over a dimension: along the sequence of a rank's share, each sees that share only.
 _OVER_A_DIMENSION = {
@@ -39,6 +39,10 @@ _OVER_A_DIMENSION = {
 }  # fmt: skip
 # Ops that move or convolve positions: along the sequence of a rank's share, each needs its neighbours' tokens.
 _MIXING_POSITIONS = {F.pad, torch.roll, Tensor.roll, F.conv1d}
+# What the mode reads, by the aten op a pipeline stage cut by torch's tracer calls in its place.
+TRACED_CALLS = functions_of_ops(
+    _OVER_A_DIMENSION | _MIXING_POSITIONS | BY_HAND_OPS | {torch.arange, F.scaled_dot_product_attention}
+)
 
 _MEAN_LOSSES = (F.cross_entropy, F.nll_loss)
 
@@ -55,7 +59,7 @@ class ContextParallelMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.cp.local_lengths:
-            func, args, kwargs = as_called(func, args, kwargs)  # a traced pipeline stage's aten ops
+            func, args, kwargs = as_called(func, args, kwargs, TRACED_CALLS)  # a traced stage's aten ops
             if func is F.scaled_dot_product_attention and args[0].size(-2) in self.cp.local_lengths:
                 return self.cp.attention(*args, **kwargs)
             positions = None

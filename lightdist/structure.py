@@ -16,6 +16,7 @@ __all__ = [
     "DecoderStack",
     "find_decoder_stack",
     "find_repeated_blocks",
+    "holders",
     "in_features",
     "is_conv1d",
     "is_projection",
@@ -42,8 +43,13 @@ class DecoderStack:
     def enclosing(self) -> list[str]:
         """Names of the modules around the stack, the model itself (``""``) first: what a training step may call as
         the model (``self(x)``, ``self.model(x)``, ``self.model.model(x)`` for ``model.model.layers``)."""
-        parts = self.name.split(".")[:-1]
-        return ["", *(".".join(parts[: depth + 1]) for depth in range(len(parts)))]
+        return holders(self.name)
+
+
+def holders(name: str) -> list[str]:
+    """Names of the modules that hold the module called ``name``, the model itself (``""``) first."""
+    parts = name.split(".")[:-1]
+    return [".".join(parts[:depth]) for depth in range(len(parts) + 1)]
 
 
 def within(name: str, parent: str) -> bool:

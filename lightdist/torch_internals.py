@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint._async_process_executor import _AsyncCheckpointProcess
@@ -84,28 +85,48 @@ _aten = torch.ops.aten
 _cp_options.enable_load_balance = True
 
 
+# Flash attention takes half precision only; on CUDA, fp32 goes through the memory-efficient kernel, as torch's own
+# context_parallel does.
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_EFFICIENT_LSE_ROWS = 32  # the memory-efficient kernel pads its log-sum-exp to a multiple of this many queries
+
+
+def _efficient_attention(query: Tensor, key: Tensor, value: Tensor, **kwargs: Any) -> tuple[Tensor, ...]:
+    """The memory-efficient kernel with its log-sum-exp cut to the queries: the ring merges and halves it along the
+    sequence, which the kernel's padding would misalign wherever a chunk is not a multiple of 32 tokens."""
+    out, logsumexp, *state = _aten._scaled_dot_product_efficient_attention(
+        query, key, value, attn_bias=None, compute_log_sumexp=True, **kwargs
+    )
+    return out, logsumexp[..., : query.size(2)], *state
+
+
+def _efficient_attention_backward(logsumexp: Tensor, **kwargs: Any) -> tuple[Tensor, ...]:
+    """The memory-efficient kernel's backward, its log-sum-exp padded back as the kernel made it."""
+    padded = F.pad(logsumexp, (0, -logsumexp.size(-1) % _EFFICIENT_LSE_ROWS))
+    return _aten._scaled_dot_product_efficient_attention_backward.default(
+        logsumexp=padded, attn_bias=None, grad_input_mask=(True, True, True, False), **kwargs
+    )
+
+
 def ring_attention_forward(
     group: dist.ProcessGroup, query: Tensor, key: Tensor, value: Tensor, scale: float | None
 ) -> tuple[Tensor, Tensor, tuple]:
     """Causal ring attention over ``group`` of each rank's two chunks (head and tail) of the sequence: the output, its
-    log-sum-exp, and what the kernel's backward needs besides (flash attention's on CUDA, the CPU kernel's on CPU)."""
+    log-sum-exp, and what the kernel's backward needs besides (the CPU kernel needs nothing more)."""
     if query.device.type == "cpu":
-        out, logsumexp = _templated_ring_attention(
-            group,
-            2,
-            _aten._scaled_dot_product_flash_attention_for_cpu,
-            query,
-            key,
-            value,
-            True,
-            dropout_p=0.0,
-            scale=scale,
-        )[:2]
-        return out, logsumexp, ()
+        op = _aten._scaled_dot_product_flash_attention_for_cpu
+    elif query.dtype in _FLASH_DTYPES:
+        op = _aten._scaled_dot_product_flash_attention
+    else:
+        op = _efficient_attention
     out, logsumexp, *state = _templated_ring_attention(
-        group, 2, _aten._scaled_dot_product_flash_attention, query, key, value, True, dropout_p=0.0, scale=scale
+        group, 2, op, query, key, value, True, dropout_p=0.0, scale=scale
     )
-    return out, logsumexp, tuple(state[:6])  # cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset
+    if query.device.type == "cpu":
+        return out, logsumexp, ()
+    if query.dtype in _FLASH_DTYPES:
+        return out, logsumexp, tuple(state[:6])  # cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset
+    return out, logsumexp, tuple(state[:2])  # philox_seed, philox_offset
 
 
 def ring_attention_backward(
@@ -121,25 +142,22 @@ def ring_attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of ``ring_attention_forward``'s query, key and value."""
     grad_out = grad_out.contiguous()
+    grad_name = "grad_out"
     if query.device.type == "cpu":
-        op, extra = _aten._scaled_dot_product_flash_attention_for_cpu_backward, {}
-    else:
-        cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset = kernel_state
+        op, state = _aten._scaled_dot_product_flash_attention_for_cpu_backward, {}
+    elif query.dtype in _FLASH_DTYPES:
         op = _aten._scaled_dot_product_flash_attention_backward.default
-        extra = dict(
-            cum_seq_q=cum_seq_q,
-            cum_seq_k=cum_seq_k,
-            max_q=max_q,
-            max_k=max_k,
-            philox_seed=philox_seed,
-            philox_offset=philox_offset,
-        )
+        names = ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset")
+        state = dict(zip(names, kernel_state, strict=True))
+    else:
+        op, grad_name = _efficient_attention_backward, "grad_out_"
+        state = dict(zip(("philox_seed", "philox_offset"), kernel_state, strict=True))
     grads = _templated_ring_attention_backward(
         group,
         2,
         op,
         grad_out,
-        "grad_out",
+        grad_name,
         query,
         key,
         value,
@@ -148,7 +166,7 @@ def ring_attention_backward(
         True,
         dropout_p=0.0,
         scale=scale,
-        **extra,
+        **state,
     )
     return grads[0], grads[1], grads[2]
 

@@ -2,49 +2,41 @@
 
 Context parallelism recognises positions, attention and what it must refuse by the function the model calls
 (``torch.arange``, ``F.scaled_dot_product_attention``, ``scores.softmax(-1)``). A traced stage runs what
-``torch.export`` recorded instead: ``aten.arange.default``, ``aten.softmax.int``. Each such op is the function's own
-schema, so the function takes the op's arguments as they are. (Slices, recorded one dimension at a time, are written
-back as the model's indexing when the stage is cut: ``lightdist.pipeline.traced``.)
+``torch.export`` recorded instead: ``aten.arange.default``, ``aten.softmax.int``. Each such op is the schema of the
+``torch`` function of its name, so that function takes the op's arguments as they are. (Slices, recorded one dimension
+at a time, are written back as the model's indexing when the stage is cut: ``lightdist.pipeline.traced``.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
 
-__all__ = ["as_called"]
-
-aten = torch.ops.aten
-_REDUCTIONS = (
-    "sum", "nansum", "mean", "nanmean", "prod", "amax", "amin", "max", "min", "argmax", "argmin", "logsumexp",
-    "count_nonzero", "std", "var", "cumsum", "cumprod", "softmax", "log_softmax",
-)  # fmt: skip
-_FUNCTION_OF_OP: dict[Any, Callable[..., Any]] = {
-    aten.arange: torch.arange,
-    aten.scaled_dot_product_attention: F.scaled_dot_product_attention,
-    aten.pad: F.pad,
-    aten.roll: torch.roll,
-    aten.conv1d: F.conv1d,
-    aten.matmul: torch.matmul,
-    aten.bmm: torch.bmm,
-    aten.baddbmm: torch.baddbmm,
-    aten.einsum: torch.einsum,
-    aten.add: torch.add,
-    aten.add_: Tensor.add_,
-    aten.masked_fill: torch.masked_fill,
-    aten.masked_fill_: Tensor.masked_fill_,
-    aten.view: Tensor.view,
-    aten.reshape: torch.reshape,
-    **{getattr(aten, name): getattr(torch, name) for name in _REDUCTIONS},
-}
+__all__ = ["as_called", "functions_of_ops"]
 
 
-def as_called(func: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+def functions_of_ops(functions: Iterable[Callable[..., Any]]) -> dict[Any, Callable[..., Any]]:
+    """The aten op of each of ``functions`` that has one, to the function whose parameters are the op's: ``torch``'s
+    own where it is among them (``F.softmax`` takes a stack level where ``aten.softmax`` takes a dtype), else
+    ``torch.nn.functional``'s, else the ``Tensor`` method (``Tensor.view``, ``Tensor.add_``)."""
+    by_name: dict[str, list[Callable[..., Any]]] = {}
+    for function in functions:
+        by_name.setdefault(function.__name__, []).append(function)
+    table = {}
+    for name, named in by_name.items():
+        op = None if name.startswith("_") else getattr(torch.ops.aten, name, None)
+        if op is not None:
+            table[op] = min(named, key=lambda f: (f is not getattr(torch, name, None), f is not getattr(F, name, None)))
+    return table
+
+
+def as_called(
+    func: Any, args: tuple, kwargs: dict, functions: Mapping[Any, Callable[..., Any]]
+) -> tuple[Any, tuple, dict]:
     """``func(*args, **kwargs)`` as the model's code called it, where ``func`` is an aten op a traced graph recorded
-    in place of a function lightdist reads; any other call as it is."""
-    function = _FUNCTION_OF_OP.get(getattr(func, "overloadpacket", None))  # aten.sum of aten.sum.dim_IntList
+    in place of one of ``functions`` (``functions_of_ops``); any other call as it is."""
+    function = functions.get(getattr(func, "overloadpacket", None))  # aten.sum of aten.sum.dim_IntList
     return (function, args, kwargs) if function is not None else (func, args, kwargs)

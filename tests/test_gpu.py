@@ -1,7 +1,7 @@
 """On one GPU, the paths a CPU run never takes: bf16 on tensor cores, NCCL, activation checkpointing of the fused
-attention kernels, checkpoints staged from GPU memory. Skipped without CUDA; a session lent the GPU machine runs them
-(``pytest tests/test_gpu.py``, within 2 minutes). Multi-rank correctness stays on CPU: NCCL refuses two ranks on one
-GPU.
+attention kernels, checkpoints staged from GPU memory, context parallelism's CUDA attention kernels. Skipped without
+CUDA; a session lent the GPU machine runs them (``pytest tests/test_gpu.py``, within 2 minutes). Multi-rank
+correctness stays on CPU: NCCL refuses two ranks on one GPU (context parallelism's two ranks share it over gloo).
 
 Starting a process on the GPU (imports, CUDA, NCCL) takes longer than training the tiny model, so the runs share two
 processes: one trains every case the precision and checkpointing tests compare, once each; one saves and resumes."""
@@ -14,9 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from lightdist.context_parallel import ContextParallel
 
 import training
 from multirank import run_ranks
+from test_context_parallel import hf_llama, labels_loss, one_process_and_split
 from training import Case, Result
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -81,3 +85,43 @@ def test_a_checkpoint_saved_from_gpu_memory_resumes_with_the_uninterrupted_losse
     case = Case(accelerator="cuda", strategy={"zero_stage": 3}, steps=STEPS, limit_train_batches=STEPS // 2)
     ((whole, resumed),) = run_ranks(1, stop_and_resume, case, str(tmp_path / "half.ckpt"))
     torch.testing.assert_close(resumed.losses, whole.losses[STEPS // 2 :], rtol=1e-5, atol=0)
+
+
+def bf16_labels_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    with torch.autocast("cuda", torch.bfloat16):
+        return labels_loss(model, batch)
+
+
+def context_parallel_on_one_gpu() -> dict[str, dict[str, float]]:
+    """A Hugging Face Llama's collated batch split over two ranks on the one GPU, against one process: ring attention
+    runs flash attention in bf16 and the memory-efficient kernel in fp32, whose log-sum-exp is padded to 32 queries
+    (70 tokens padded to 72 to split: chunks of 18); all-to-all runs the model's own SDPA on the whole sequence."""
+    dist.init_process_group("gloo")  # gloo carries CUDA tensors through the host
+    torch.cuda.set_device(0)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))["cp"]
+    results = {}
+    for length in (128, 70):
+        tokens = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(length)).cuda()
+        kept = torch.arange(length, device="cuda")[None] < torch.tensor([[length], [length - 9]], device="cuda")
+        collated = {"input_ids": tokens, "attention_mask": kept.long(), "labels": tokens.masked_fill(~kept, -100)}
+        for precision, loss_of in (("fp32", labels_loss), ("bf16", bf16_labels_loss)):
+            for method in ("ring", "all_to_all"):
+                model = hf_llama().cuda()
+                cp = ContextParallel(mesh, method, model)
+                results[f"{method}_{precision}_{length}"] = one_process_and_split(model, collated, loss_of, cp)
+    return results
+
+
+@pytest.fixture(scope="module")
+def split_on_gpu() -> dict[str, dict[str, float]]:
+    return run_ranks(2, context_parallel_on_one_gpu)[0]
+
+
+@pytest.mark.parametrize("method", ["ring", "all_to_all"])
+@pytest.mark.parametrize("length", [128, 70])
+def test_context_parallel_attention_kernels_on_gpu_compute_what_one_process_computes(
+    split_on_gpu, method: str, length: int
+) -> None:
+    fp32, bf16 = split_on_gpu[f"{method}_fp32_{length}"], split_on_gpu[f"{method}_bf16_{length}"]
+    assert fp32["loss"] < 1e-5 and fp32["gradients"] < 1e-4, fp32
+    assert bf16["loss"] < 1e-2 and bf16["gradients"] < 5e-2, bf16

@@ -10,6 +10,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightdist.activation_checkpointing import apply_activation_checkpointing
+from lightdist.context_parallel_mode import TRACED_CALLS
 from lightdist.pipeline.traced import (
     TracedInput,
     drop_other_stages,
@@ -213,7 +214,7 @@ class Calls(TorchFunctionMode):
         self.made: list[tuple] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        func, args, kwargs = as_called(func, args, kwargs or {})
+        func, args, kwargs = as_called(func, args, kwargs or {}, TRACED_CALLS)
         self.made.append((func, *args[1:]))
         return func(*args, **kwargs)
 

@@ -26,7 +26,7 @@ from torch.distributed.pipelining import SplitPoint, pipeline
 from torch.export.unflatten import InterpreterModule
 
 from lightdist.pipeline.structural import balanced_split
-from lightdist.structure import CONTAINERS
+from lightdist.structure import CONTAINERS, holders, within
 
 __all__ = [
     "TracedInput",
@@ -43,9 +43,7 @@ def modules_around_blocks(model: nn.Module, block_names: list[str]) -> list[str]
     """Names of the modules a training step may call as the model, the model itself (``""``) first: those holding
     every block (``self(x)``, ``self.model(x)``), but not a container of blocks only (``self.blocks``, an
     ``nn.Sequential`` of them), whose call leaves the embeddings and the head outside the pipeline."""
-    parts = block_names[0].split(".")[:-1]
-    holders = [".".join(parts[:depth]) for depth in range(len(parts) + 1)]
-    around = [name for name in holders if all(block.startswith(f"{name}.") or not name for block in block_names)]
+    around = [name for name in holders(block_names[0]) if all(not name or within(block, name) for block in block_names)]
     return [name for name in around if not _holds_blocks_only(model, name, block_names)]
 
 
@@ -101,14 +99,15 @@ def trace_stages(
             for added in set(vars(block)) - set(attributes):
                 delattr(block, added)
             vars(block).update(attributes)
-    _check_inputs_enter_first(pipe.split_gm.graph, type(model).__name__)
+    stage_calls = [node for node in pipe.split_gm.graph.nodes if node.op == "call_module"]
+    _check_inputs_enter_first(stage_calls, type(model).__name__)
     stages = [pipe.get_stage_module(index) for index in range(pipe.num_stages)]
     if len(stages) != len(sizes):
         raise ValueError(
             f"Tracing {type(model).__name__} gave {len(stages)} pipeline stages where {len(sizes)} were asked for: its "
             f"forward does not call the blocks {', '.join(starts)} in order. Call each block once, in order."
         )
-    stages[-1].whole_output = _model_output(pipe.split_gm.graph, type(model).__name__)
+    stages[-1].whole_output = _model_output(pipe.split_gm.graph, stage_calls[-1], type(model).__name__)
     for stage in stages:
         for graph_module in _graph_modules(stage):
             _make_factory_calls_on(graph_module, device)
@@ -119,10 +118,9 @@ def trace_stages(
     return stages
 
 
-def _check_inputs_enter_first(split: fx.Graph, model_name: str) -> None:
+def _check_inputs_enter_first(stage_calls: list[fx.Node], model_name: str) -> None:
     """Refuse a model call whose argument only a later stage reads (nanoGPT's ``targets``, for a loss computed in
     the model): the schedule hands the call's arguments to the first stage, which does not pass it on."""
-    stage_calls = [node for node in split.nodes if node.op == "call_module"]
     for stage, call in enumerate(stage_calls[1:], start=1):
         late = [arg.name for arg in call.all_input_nodes if arg.op == "placeholder"]
         if late:
@@ -134,13 +132,12 @@ def _check_inputs_enter_first(split: fx.Graph, model_name: str) -> None:
             )
 
 
-def _model_output(split: fx.Graph, model_name: str) -> Callable[[Any], Any]:
+def _model_output(split: fx.Graph, last: fx.Node, model_name: str) -> Callable[[Any], Any]:
     """What makes the model's output from the last stage's: the stage returns tensors only, where the model's
     ``forward`` may return more beside them (nanoGPT's ``(logits, None)`` without targets, whose unpacking would
     otherwise split the logits). The traced graph returns its outputs flattened: one is the model's output, several
     its tuple."""
     (returned,) = next(node for node in split.nodes if node.op == "output").args
-    last = [node for node in split.nodes if node.op == "call_module"][-1]
 
     def value_of(node: fx.Node, output: Any) -> Any:
         if node is last:
