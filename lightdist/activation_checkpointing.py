@@ -5,13 +5,15 @@ checkpoints) do not change, as they would under a wrapper module. Must run after
 the order torchtitan uses: FSDP's hooks on the block then gather its parameters before the recomputed forward.
 
 Backward recomputes a block from the arguments its forward was given, so a block must not leave state behind that its
-recompute reads: checkpointed blocks are called without Hugging Face's key/value cache (``lightdist.kv_cache``).
+recompute reads: checkpointed blocks are called without Hugging Face's key/value cache (``lightdist.kv_cache``). And
+it recomputes under context parallelism, as the forward ran, though torch leaves the mode while it runs backward.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from functools import cache, partial, wraps
 from itertools import product
 from typing import Any, Literal
@@ -20,10 +22,17 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
+from lightdist.context_parallel_mode import ContextParallelMode
 from lightdist.dataflow import device_of_call
 from lightdist.kv_cache import without_kv_cache
+from lightdist.torch_internals import torch_function_modes
 
 __all__ = ["ActivationCheckpointing", "apply_activation_checkpointing", "attention_ops"]
 
@@ -78,13 +87,36 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module], *, mode: Activat
 def _recomputed_in_backward(forward: Callable[..., Any], selective: bool) -> Callable[..., Any]:
     @wraps(forward)
     def recomputed_in_backward(*args: Any, **kwargs: Any) -> Any:
-        options: dict[str, Any] = {}
+        contexts = noop_context_fn
         if selective:
             # The attention ops of the device the block runs on, known only now: a model built on the meta device
             # is moved after its blocks are wrapped.
             keep = [*_MATMULS, *attention_ops(device_of_call(args, kwargs).type)]
-            options["context_fn"] = partial(create_selective_checkpoint_contexts, keep)
+            contexts = partial(create_selective_checkpoint_contexts, keep)
+        if modes := [mode for mode in torch_function_modes() if isinstance(mode, ContextParallelMode)]:
+            contexts = partial(_recomputed_under, modes, contexts)
         args, kwargs = without_kv_cache(args, kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
     return recomputed_in_backward
+
+
+def _recomputed_under(
+    modes: list[ContextParallelMode], contexts: Callable[[], tuple[Any, Any]]
+) -> tuple[AbstractContextManager, AbstractContextManager]:
+    forward_context, recompute_context = contexts()
+    return forward_context, _under_modes(modes, recompute_context)
+
+
+@contextmanager
+def _under_modes(modes: list[ContextParallelMode], context: AbstractContextManager) -> Iterator[None]:
+    """``context``, under the context-parallel ``modes`` the forward ran under that are not entered now: torch leaves
+    a mode while the mode handles a call, ``backward`` included, so a block recomputed there would attend within the
+    rank's share of the sequence, not over the whole as its forward did."""
+    entered = torch_function_modes()
+    with ExitStack() as stack:
+        for mode in modes:
+            if not any(mode is active for active in entered):
+                stack.enter_context(mode)
+        stack.enter_context(context)
+        yield

@@ -14,6 +14,8 @@ Each name is here because torch has no public way to do the same yet:
 - ``Tensor._base``: whether a tensor is a view.
 - ``torch._C.DisableTorchFunctionSubclass``: a tensor subclass's ``__torch_function__`` calling torch on itself
   without calling itself again, as ``Tensor.__torch_function__`` does.
+- ``torch.overrides._get_current_function_mode_stack``: the ``TorchFunctionMode``s a checkpointed block ran under,
+  entered again where backward recomputes it (torch leaves a mode while the mode handles ``backward``).
 - ``torch.distributed.tensor.experimental._context_parallel._attention``: torch's ring attention, forward and
   backward, for any attention kernel that returns its log-sum-exp; its public ``context_parallel`` patches only the
   CUDA kernels, for torchtitan's own models.
@@ -39,6 +41,7 @@ from torch.distributed.tensor.experimental._context_parallel._attention import (
     _templated_ring_attention,
     _templated_ring_attention_backward,
 )
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightdist.quiet import silence_known_noise
@@ -55,6 +58,7 @@ __all__ = [
     "ring_attention_forward",
     "set_group_timeout",
     "subclass_dispatch_disabled",
+    "torch_function_modes",
 ]
 
 # Private members of torch's classes that lightdist's subclasses override or call, and why.
@@ -72,6 +76,11 @@ def set_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
 def subclass_dispatch_disabled() -> torch._C.DisableTorchFunctionSubclass:
     """A context in which torch calls on tensor subclasses skip their ``__torch_function__``."""
     return torch._C.DisableTorchFunctionSubclass()
+
+
+def torch_function_modes() -> list[TorchFunctionMode]:
+    """The ``TorchFunctionMode``s entered now, outermost first."""
+    return _get_current_function_mode_stack()
 
 
 def is_view(tensor: Tensor) -> bool:

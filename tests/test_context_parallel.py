@@ -18,6 +18,7 @@ import transformers
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from lightdist.activation_checkpointing import apply_activation_checkpointing
 from lightdist.context_parallel import ContextParallel, load_balanced_positions
 from lightdist.loss_tokens import labelled_tokens
 from lightdist.models import Llama
@@ -249,6 +250,11 @@ def context_parallel_in_a_plain_loop() -> dict:
     results["hf_llama_shifted_logits"] = one_process_and_split(model, collated, shifted_logits_loss, cp)
     cp = ContextParallel(mesh, "all_to_all", model)
     results["hf_llama_torchtune_shift"] = one_process_and_split(model, collated, torchtune_loss, cp)
+    # Blocks recomputed in backward, which torch runs outside the mode that split the forward
+    checkpointed = hf_llama()
+    apply_activation_checkpointing(checkpointed.model.layers, mode="full")
+    cp = ContextParallel(mesh, "ring", checkpointed)
+    results["hf_llama_ring_full_checkpointing"] = one_process_and_split(checkpointed, collated, labels_loss, cp)
     # The reference Llama, whose step shifts the labels: batch[:, :-1] in, batch[:, 1:] as targets, 65 tokens
     torch.manual_seed(0)
     llama = Llama("tiny").model
@@ -349,6 +355,7 @@ def plain_loop() -> dict:
         "hf_llama_all_to_all",
         "hf_llama_shifted_logits",
         "hf_llama_torchtune_shift",
+        "hf_llama_ring_full_checkpointing",
         "hf_opt_ring",
         "hf_falcon_causal_mask",
         "hf_falcon_alibi_all_to_all",

@@ -52,6 +52,14 @@ CASES = {
         "cp2_ring": Case(strategy=CP2_RING),
         "cp2_all_to_all": Case(strategy=dict(CP2, context_parallel_method="all_to_all")),
         "zoo_hf_llama_labels_cp2_ring": Case(strategy=CP2_RING, model="zoo_hf_llama_labels", seq_len=31),
+        # blocks recomputed in backward attend over the whole sequence, as their forward did
+        "cp2_full_checkpointing": Case(strategy=dict(CP2, activation_checkpointing="full")),
+        "zoo_hf_llama_labels_cp2_ring_selective_checkpointing_clip": Case(
+            strategy=dict(CP2_RING, activation_checkpointing="selective"),
+            model="zoo_hf_llama_labels",
+            seq_len=31,
+            gradient_clip_val=0.1,
+        ),
         "zoo_hf_gpt2_labels_cp2": Case(strategy=CP2, model="zoo_hf_gpt2_labels", seq_len=31),
         # positions counted by a cumulative sum of ones (OPT); ALiBi in the causal mask the model builds (Falcon)
         "zoo_hf_opt_labels_cp2": Case(strategy=CP2, model="zoo_hf_opt_labels", seq_len=31),
@@ -244,6 +252,7 @@ CASES = {
         "zoo_nanogpt_slow_attention_cp2_tp2": Case(strategy=dict(CP2, **TP2), model="zoo_nanogpt_slow_attention"),
         # each stage's share of each microbatch's sequences: positions from its own inputs' length on every stage
         "pp2_cp2": Case(strategy=dict(PP2, **CP2)),
+        "pp2_cp2_full_checkpointing": Case(strategy=dict(PP2, **CP2, activation_checkpointing="full")),
         "zoo_hf_llama_labels_pp2_cp2_4_microbatches": Case(
             strategy=dict(PP2, **CP2, microbatches=4), model="zoo_hf_llama_labels", seq_len=31
         ),

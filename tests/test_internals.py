@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.overrides import TorchFunctionMode
 from torchmetrics import MeanMetric
 
 from lightdist import torch_internals
@@ -32,7 +33,13 @@ from lightdist.plugins.lightning_internals import (
 )
 from lightdist.plugins.pipeline_step import batch_on_device, optimizer_steps_after
 from lightdist.sharding import optimizer_states_to
-from lightdist.torch_internals import is_view, ring_attention_backward, ring_attention_forward, set_group_timeout
+from lightdist.torch_internals import (
+    is_view,
+    ring_attention_backward,
+    ring_attention_forward,
+    set_group_timeout,
+    torch_function_modes,
+)
 
 REPO = Path(__file__).parents[1]
 INTERNALS = {REPO / "lightdist/torch_internals.py", REPO / "plugins/lightning_internals.py"}
@@ -243,6 +250,8 @@ def test_torchmetrics_internals_behave_as_lightdist_relies_on() -> None:
 def test_torch_internals_behave_as_lightdist_relies_on(tmp_path: Path) -> None:
     tensor = torch.ones(4, 4)
     assert is_view(tensor[0]) and not is_view(tensor)
+    with TorchFunctionMode() as outer, TorchFunctionMode() as inner:
+        assert torch_function_modes()[-2:] == [outer, inner]
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
