@@ -71,6 +71,8 @@ ON_TWO_RANKS = {
     # the corpus prepared into the bucket first, as its header says (a few modules' docstrings)
     "python_docs_s3_cpu": [f"{STRATEGY}.pipeline_parallel_size=1", f"{STRATEGY}.tensor_parallel_size=1"],
     "long_context_cpu": [f"{STRATEGY}.tensor_parallel_size=1"],  # each window split over the 2 ranks
+    # the 2 ranks split each window, and recompute each block under the split in backward
+    "long_context": [*TINY_LLAMA, "--model.init_args.config={}", f"{STRATEGY}.context_parallel_size=2"],
 }
 
 
