@@ -25,6 +25,7 @@ from torch import Tensor, fx, nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 from torch.export.unflatten import InterpreterModule
 
+from lightdist.pipeline.stage_chain import chain_stages
 from lightdist.pipeline.structural import balanced_split
 from lightdist.structure import CONTAINERS, holders, within
 
@@ -99,15 +100,17 @@ def trace_stages(
             for added in set(vars(block)) - set(attributes):
                 delattr(block, added)
             vars(block).update(attributes)
-    stage_calls = [node for node in pipe.split_gm.graph.nodes if node.op == "call_module"]
-    _check_inputs_enter_first(stage_calls, type(model).__name__)
     stages = [pipe.get_stage_module(index) for index in range(pipe.num_stages)]
     if len(stages) != len(sizes):
         raise ValueError(
             f"Tracing {type(model).__name__} gave {len(stages)} pipeline stages where {len(sizes)} were asked for: its "
             f"forward does not call the blocks {', '.join(starts)} in order. Call each block once, in order."
         )
-    stages[-1].whole_output = _model_output(pipe.split_gm.graph, stage_calls[-1], type(model).__name__)
+    split = pipe.split_gm.graph
+    stage_calls = [node for node in split.nodes if node.op == "call_module"]
+    _check_inputs_enter_first(stage_calls, type(model).__name__)
+    stages[-1].whole_output = _model_output(split, stage_calls[-1], type(model).__name__)
+    chain_stages(split, stages)
     for stage in stages:
         for graph_module in _graph_modules(stage):
             _make_factory_calls_on(graph_module, device)
@@ -119,16 +122,17 @@ def trace_stages(
 
 
 def _check_inputs_enter_first(stage_calls: list[fx.Node], model_name: str) -> None:
-    """Refuse a model call whose argument only a later stage reads (nanoGPT's ``targets``, for a loss computed in
-    the model): the schedule hands the call's arguments to the first stage, which does not pass it on."""
+    """Refuse a model call whose argument a later stage reads (nanoGPT's ``targets``, for a loss computed in the
+    model): the schedule hands the call's arguments to the first stage, and a later stage gets only what the stage
+    before it returns, which torch first fills with made-up values to learn the shapes (out of range as targets)."""
     for stage, call in enumerate(stage_calls[1:], start=1):
         late = [arg.name for arg in call.all_input_nodes if arg.op == "placeholder"]
         if late:
             raise ValueError(
-                f"{model_name}'s forward reads its argument {late[0]} in pipeline stage {stage} only, which stages cut "
-                "by torch's tracer cannot pass on: the first stage takes the model call's arguments. Compute the "
-                "loss in the step from the logits the model returns, or keep the transformer blocks in one "
-                "nn.ModuleList, whose stages take any argument."
+                f"{model_name}'s forward reads its argument {late[0]} in pipeline stage {stage}, which stages cut by "
+                "torch's tracer cannot pass on: the first stage takes the model call's arguments. Compute the loss "
+                "in the step from the logits the model returns, or keep the transformer blocks in one nn.ModuleList, "
+                "whose stages take any argument."
             )
 
 
