@@ -96,9 +96,11 @@ CASES = {
         # stages cut by torch's tracer: the Llama's on request, and a model with its blocks in an nn.Sequential and
         # its head tied to the embedding
         # four stages on two ranks: the rotary tables the first stage slices are handed on through the second
-        "pp2_traced_interleaved_1f1b_clip": Case(
+        "pp2_traced_interleaved_1f1b_clip_validating": Case(
             strategy=dict(PP2, pipeline_tracer=True, pipeline_schedule="interleaved_1f1b", microbatches=4),
             gradient_clip_val=0.1,
+            validate=True,
+            val_check_interval=2,
         ),
         "pp2_traced_on_request_clip": Case(
             strategy=dict(PP2, microbatches=4, pipeline_tracer=True), gradient_clip_val=0.1, validate=True
