@@ -327,9 +327,10 @@ class PipelineStep:
     ) -> Any:
         """``run`` (the schedule's step or eval) on ``batch``, cut into microbatches by lightdist, whatever its form.
 
-        The user's step runs on each microbatch up to its model call, whose arguments enter the first stage (every
-        stage, when cut by structure); on the last stage it runs on the same microbatch again as the loss. torch's
-        schedules cut only tensors, so they are handed each microbatch's index to cut.
+        The user's step runs on each microbatch up to its model call, whose arguments every stage reads (stages cut
+        by the tracer: the first takes them all, a later one those its graph reads); on the last stage it runs on the
+        same microbatch again as the loss. torch's schedules cut only tensors, so they are handed each microbatch's
+        index to cut.
         """
         self._microbatches = cut_batch(batch, self.microbatches)
         calls = [self._model_call(microbatch) for microbatch in self._microbatches]
@@ -343,11 +344,11 @@ class PipelineStep:
             self._loss_scale *= self.token_weights.backward_weight(batch)
         self._check_sequence_shards(calls[0])
         index = torch.arange(self.microbatches)
-        if self.traced_input is None:
-            inputs, stage_kwargs = (), {"lightdist_model_calls": MicrobatchCalls(calls), "lightdist_microbatch": index}
-        else:  # checked on every rank, so that each raises alike; torch 2.11 takes them on the first stage only
-            inputs, stage_kwargs = self.traced_input([(call.args, call.kwargs) for call in calls]), {}
-            inputs = inputs if self.first else ()
+        stage_kwargs = {"lightdist_model_calls": MicrobatchCalls(calls), "lightdist_microbatch": index}
+        inputs = ()
+        if self.traced_input is not None:  # checked on every rank, so that each raises alike
+            inputs = self.traced_input([(call.args, call.kwargs) for call in calls])
+            inputs = inputs if self.first else ()  # torch 2.11 takes them on the first stage only
         self.setting_up_stages = True
         try:
             return run(

@@ -102,6 +102,13 @@ CASES = {
             validate=True,
             val_check_interval=2,
         ),
+        # the lecture GPT computes its loss from targets after its blocks: the last stage reads them from the call
+        "zoo_lecture_gpt_pp2_zero_bubble_pairs_clip": Case(
+            strategy=dict(PP2, pipeline_schedule="zero_bubble", microbatches=4),
+            model="zoo_lecture_gpt",
+            data="pairs",
+            gradient_clip_val=0.1,
+        ),
         "pp2_traced_on_request_clip": Case(
             strategy=dict(PP2, microbatches=4, pipeline_tracer=True), gradient_clip_val=0.1, validate=True
         ),
@@ -268,6 +275,7 @@ CASES = {
         # stages cut by torch's tracer, traced from a rank's share: of the module the step calls (self.model), and
         # with rotary positions (a table's rows)
         "held_sequential_pp2_cp2_traced": Case(strategy=dict(PP2, **CP2), model="held_sequential"),
+        "zoo_lecture_gpt_pp2_cp2_pairs": Case(strategy=dict(PP2, **CP2), model="zoo_lecture_gpt", data="pairs"),
         "pp2_cp2_traced_on_request_clip": Case(
             strategy=dict(PP2, **CP2, microbatches=4, pipeline_tracer=True), gradient_clip_val=0.1
         ),

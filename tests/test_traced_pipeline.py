@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightdist.activation_checkpointing import apply_activation_checkpointing
 from lightdist.context_parallel_mode import TRACED_CALLS
 from lightdist.models import Llama
+from lightdist.pipeline.structural import MicrobatchCalls, ModelCall
 from lightdist.pipeline.traced import (
     TracedInput,
     drop_other_stages,
@@ -150,12 +151,18 @@ def test_a_model_neither_cut_can_split_says_what_to_change() -> None:
     assert "forward" not in model.second.__dict__  # the tracer's split markers are removed again
 
 
-def test_an_argument_a_later_stage_reads_is_refused_by_name() -> None:
-    # The lecture GPT computes its loss from targets after its blocks: the second stage would need them
-    model, tokens = GPTLanguageModel(), torch.randint(0, 64, (2, 16))
-    blocks = find_repeated_blocks(model)
-    with pytest.raises(ValueError, match=r"reads its argument targets in pipeline stage 1, .* Compute the loss in"):
-        trace_stages(model, ((tokens, tokens), {}), blocks, [2, 2], torch.device("cpu"))
+def test_an_argument_a_later_stage_reads_comes_from_the_microbatch_s_model_call() -> None:
+    # The lecture GPT computes its loss from targets after its blocks: the second stage reads them from the model
+    # call the schedule hands every stage, not from the first stage (torch would hand it made-up values first)
+    model, tokens, targets = GPTLanguageModel(), torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    first, last = trace_stages(model, ((tokens, targets), {}), find_repeated_blocks(model), [2, 2], torch.device("cpu"))
+
+    calls = MicrobatchCalls([ModelCall("", (tokens, targets), {})])
+    output = last(first(tokens, targets), lightdist_model_calls=calls, lightdist_microbatch=torch.tensor([0]))
+    logits, loss = last.whole_output(output)
+    expected_logits, expected_loss = model(tokens, targets)
+    torch.testing.assert_close(logits, expected_logits)
+    torch.testing.assert_close(loss, expected_loss)
 
 
 def test_the_last_stage_gives_the_step_what_the_model_returns() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import operator
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from torch.distributed.pipelining import SplitPoint, pipeline
 from torch.export.unflatten import InterpreterModule
 
 from lightdist.pipeline.stage_chain import chain_stages
-from lightdist.pipeline.structural import balanced_split
+from lightdist.pipeline.structural import MicrobatchCalls, balanced_split
 from lightdist.structure import CONTAINERS, holders, within
 
 __all__ = [
@@ -108,7 +109,8 @@ def trace_stages(
         )
     split = pipe.split_gm.graph
     stage_calls = [node for node in split.nodes if node.op == "call_module"]
-    _check_inputs_enter_first(stage_calls, type(model).__name__)
+    signature = inspect.signature(model.forward)
+    _check_later_arguments_named(stage_calls[1:], signature, type(model).__name__)
     stages[-1].whole_output = _model_output(split, stage_calls[-1], type(model).__name__)
     chain_stages(split, stages)
     for stage in stages:
@@ -118,21 +120,40 @@ def trace_stages(
             graph_module.recompile()
         _drop_uncalled(stage)
         _use_model_parameters(model, stage)
+    for index, (stage, call) in enumerate(zip(stages, stage_calls, strict=True)):
+        arguments = [arg.name for arg in call.args if arg.op == "placeholder"] if index else []
+        stage.forward = partial(_forward_beside_model_call, stage, arguments, signature)
     return stages
 
 
-def _check_inputs_enter_first(stage_calls: list[fx.Node], model_name: str) -> None:
-    """Refuse a model call whose argument a later stage reads (nanoGPT's ``targets``, for a loss computed in the
-    model): the schedule hands the call's arguments to the first stage, and a later stage gets only what the stage
-    before it returns, which torch first fills with made-up values to learn the shapes (out of range as targets)."""
-    for stage, call in enumerate(stage_calls[1:], start=1):
-        late = [arg.name for arg in call.all_input_nodes if arg.op == "placeholder"]
-        if late:
+def _forward_beside_model_call(
+    stage: fx.GraphModule,
+    arguments: list[str],
+    signature: inspect.Signature,
+    *handed_on: Any,
+    lightdist_model_calls: MicrobatchCalls | None = None,
+    lightdist_microbatch: Tensor | None = None,
+) -> Any:
+    """``stage``'s forward on what it is handed, then on the model call's ``arguments``, read from microbatch
+    ``lightdist_microbatch``'s call: the schedule hands every stage the calls, as to stages cut by structure."""
+    if arguments:
+        call = lightdist_model_calls[lightdist_microbatch]
+        given = signature.bind(*call.args, **call.kwargs).arguments
+        handed_on = (*handed_on, *(given[name] for name in arguments))
+    return type(stage).forward(stage, *handed_on)
+
+
+def _check_later_arguments_named(later_calls: list[fx.Node], signature: inspect.Signature, model_name: str) -> None:
+    """Refuse an argument a later stage reads that is not a parameter of the model's ``forward`` by name (one of its
+    ``*args``, or inside a container): that stage reads it from the microbatch's model call by name."""
+    for stage, call in enumerate(later_calls, start=1):
+        unnamed = [arg.name for arg in call.args if arg.op == "placeholder" and arg.name not in signature.parameters]
+        if unnamed:
             raise ValueError(
-                f"{model_name}'s forward reads its argument {late[0]} in pipeline stage {stage}, which stages cut by "
-                "torch's tracer cannot pass on: the first stage takes the model call's arguments. Compute the loss "
-                "in the step from the logits the model returns, or keep the transformer blocks in one nn.ModuleList, "
-                "whose stages take any argument."
+                f"{model_name}'s forward reads its input {unnamed[0]} in pipeline stage {stage}, not a parameter of "
+                "forward by name, which a stage cut by torch's tracer reads from the model call by name. Pass it as "
+                "a parameter of its own, compute what reads it in the step, or keep the transformer blocks in one "
+                "nn.ModuleList, whose stages take any argument."
             )
 
 
