@@ -165,6 +165,24 @@ def test_an_argument_a_later_stage_reads_comes_from_the_microbatch_s_model_call(
     torch.testing.assert_close(loss, expected_loss)
 
 
+class TargetsInStarArgs(nn.Module):
+    """A loss computed after the blocks from targets that come in ``*inputs``: no parameter names them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(nn.Linear(8, 8) for _ in range(2)))
+
+    def forward(self, *inputs: Tensor) -> Tensor:
+        x, targets = inputs
+        return (self.blocks(x) - targets).square().mean()
+
+
+def test_an_argument_a_later_stage_reads_without_a_name_is_refused_with_the_way_out() -> None:
+    model, x = TargetsInStarArgs(), torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"reads its input inputs_1 in pipeline stage 1, not a parameter of forward"):
+        trace_stages(model, ((x, torch.randn(2, 8)), {}), ["blocks.0", "blocks.1"], [1, 1], torch.device("cpu"))
+
+
 def test_the_last_stage_gives_the_step_what_the_model_returns() -> None:
     # Without targets the lecture GPT returns (logits, None): the stage returns the logits alone, which a step's
     # `logits, _ = self.model(x)` would split in two along the batch
