@@ -25,8 +25,9 @@ Each name is here because torch has no public way to do the same yet:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -117,25 +118,49 @@ def _efficient_attention_backward(logsumexp: Tensor, **kwargs: Any) -> tuple[Ten
     )
 
 
+class _RingKernel(NamedTuple):
+    """An attention kernel the ring runs per block: forward, backward, the name its backward gives the output's
+    gradient, and the names of what the forward returns after the log-sum-exp that its backward takes."""
+
+    forward: Callable[..., Any]
+    backward: Callable[..., Any]
+    grad_out_name: str
+    state_names: tuple[str, ...]
+
+
+_CPU_FLASH = _RingKernel(
+    _aten._scaled_dot_product_flash_attention_for_cpu,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    "grad_out",
+    (),
+)
+_CUDA_FLASH = _RingKernel(
+    _aten._scaled_dot_product_flash_attention,
+    _aten._scaled_dot_product_flash_attention_backward.default,
+    "grad_out",
+    ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset"),
+)
+_CUDA_EFFICIENT = _RingKernel(
+    _efficient_attention, _efficient_attention_backward, "grad_out_", ("philox_seed", "philox_offset")
+)
+
+
+def _ring_kernel(query: Tensor) -> _RingKernel:
+    if query.device.type == "cpu":
+        return _CPU_FLASH
+    return _CUDA_FLASH if query.dtype in _FLASH_DTYPES else _CUDA_EFFICIENT
+
+
 def ring_attention_forward(
     group: dist.ProcessGroup, query: Tensor, key: Tensor, value: Tensor, scale: float | None
 ) -> tuple[Tensor, Tensor, tuple]:
     """Causal ring attention over ``group`` of each rank's two chunks (head and tail) of the sequence: the output, its
-    log-sum-exp, and what the kernel's backward needs besides (the CPU kernel needs nothing more)."""
-    if query.device.type == "cpu":
-        op = _aten._scaled_dot_product_flash_attention_for_cpu
-    elif query.dtype in _FLASH_DTYPES:
-        op = _aten._scaled_dot_product_flash_attention
-    else:
-        op = _efficient_attention
+    log-sum-exp, and what the kernel's backward needs besides."""
+    kernel = _ring_kernel(query)
     out, logsumexp, *state = _templated_ring_attention(
-        group, 2, op, query, key, value, True, dropout_p=0.0, scale=scale
+        group, 2, kernel.forward, query, key, value, True, dropout_p=0.0, scale=scale
     )
-    if query.device.type == "cpu":
-        return out, logsumexp, ()
-    if query.dtype in _FLASH_DTYPES:
-        return out, logsumexp, tuple(state[:6])  # cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset
-    return out, logsumexp, tuple(state[:2])  # philox_seed, philox_offset
+    return out, logsumexp, tuple(state[: len(kernel.state_names)])
 
 
 def ring_attention_backward(
@@ -150,23 +175,13 @@ def ring_attention_backward(
     scale: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of ``ring_attention_forward``'s query, key and value."""
-    grad_out = grad_out.contiguous()
-    grad_name = "grad_out"
-    if query.device.type == "cpu":
-        op, state = _aten._scaled_dot_product_flash_attention_for_cpu_backward, {}
-    elif query.dtype in _FLASH_DTYPES:
-        op = _aten._scaled_dot_product_flash_attention_backward.default
-        names = ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset")
-        state = dict(zip(names, kernel_state, strict=True))
-    else:
-        op, grad_name = _efficient_attention_backward, "grad_out_"
-        state = dict(zip(("philox_seed", "philox_offset"), kernel_state, strict=True))
+    kernel = _ring_kernel(query)
     grads = _templated_ring_attention_backward(
         group,
         2,
-        op,
-        grad_out,
-        grad_name,
+        kernel.backward,
+        grad_out.contiguous(),
+        kernel.grad_out_name,
         query,
         key,
         value,
@@ -175,7 +190,7 @@ def ring_attention_backward(
         True,
         dropout_p=0.0,
         scale=scale,
-        **state,
+        **dict(zip(kernel.state_names, kernel_state, strict=True)),
     )
     return grads[0], grads[1], grads[2]
 
