@@ -110,7 +110,9 @@ def trace_stages(
     split = pipe.split_gm.graph
     stage_calls = [node for node in split.nodes if node.op == "call_module"]
     signature = inspect.signature(model.forward)
-    _check_later_arguments_named(stage_calls[1:], signature, type(model).__name__)
+    # The model call's arguments each stage reads: the first takes them all, a later one reads these by name.
+    arguments = [[], *([arg.name for arg in call.args if arg.op == "placeholder"] for call in stage_calls[1:])]
+    _check_arguments_named(arguments, signature, type(model).__name__)
     stages[-1].whole_output = _model_output(split, stage_calls[-1], type(model).__name__)
     chain_stages(split, stages)
     for stage in stages:
@@ -120,9 +122,8 @@ def trace_stages(
             graph_module.recompile()
         _drop_uncalled(stage)
         _use_model_parameters(model, stage)
-    for index, (stage, call) in enumerate(zip(stages, stage_calls, strict=True)):
-        arguments = [arg.name for arg in call.args if arg.op == "placeholder"] if index else []
-        stage.forward = partial(_forward_beside_model_call, stage, arguments, signature)
+    for stage, read in zip(stages, arguments, strict=True):
+        stage.forward = partial(_forward_beside_model_call, stage, read, signature)
     return stages
 
 
@@ -143,11 +144,11 @@ def _forward_beside_model_call(
     return type(stage).forward(stage, *handed_on)
 
 
-def _check_later_arguments_named(later_calls: list[fx.Node], signature: inspect.Signature, model_name: str) -> None:
+def _check_arguments_named(arguments: list[list[str]], signature: inspect.Signature, model_name: str) -> None:
     """Refuse an argument a later stage reads that is not a parameter of the model's ``forward`` by name (one of its
     ``*args``, or inside a container): that stage reads it from the microbatch's model call by name."""
-    for stage, call in enumerate(later_calls, start=1):
-        unnamed = [arg.name for arg in call.args if arg.op == "placeholder" and arg.name not in signature.parameters]
+    for stage, read in enumerate(arguments):
+        unnamed = [name for name in read if name not in signature.parameters]
         if unnamed:
             raise ValueError(
                 f"{model_name}'s forward reads its input {unnamed[0]} in pipeline stage {stage}, not a parameter of "
