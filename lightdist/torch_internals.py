@@ -65,6 +65,7 @@ __all__ = [
 # Private members of torch's classes that lightdist's subclasses override or call, and why.
 SUBCLASS_PRIVATES = {
     "_apply": "ParallelStyle's one abstract method: how a tensor-parallel style splits a module",
+    "_to_tensor": "PipelineStage (torch 2.13): the tensors a stage learns its output shapes on, made from shapes",
 }
 
 

@@ -506,6 +506,19 @@ def _received_activations_need_gradients(stage: nn.Module, received: tuple[Any, 
                 tensor.requires_grad_(True)
 
 
+class _StageLearningShapesOnZeros(PipelineStage):
+    """torch 2.13 learns the shapes a later stage returns by running it once on uninitialised tensors of the shapes
+    it receives (2.11 on zeros). A traced stage may be handed integers that index a table (positions computed before
+    the blocks), which out of range fail that run: zeros, as 2.11 makes them."""
+
+    def _to_tensor(self, arg: Any) -> Tensor:
+        tensor = super()._to_tensor(arg)
+        if not isinstance(arg, Tensor):  # made from the shapes received, not a real input
+            with torch.no_grad():
+                tensor.zero_()
+        return tensor
+
+
 def pipeline_step_over(
     module: LightningModule,
     parallelized: Parallelized,
@@ -519,7 +532,7 @@ def pipeline_step_over(
     rank takes part in grouping the tied weights' ends."""
     pp_group = mesh["pp"].get_group()
     stages = [
-        PipelineStage(stage, index, parallelized.stage_count, token_weights.device, group=pp_group)
+        _StageLearningShapesOnZeros(stage, index, parallelized.stage_count, token_weights.device, group=pp_group)
         for stage, index in zip(parallelized.stages, parallelized.stage_indices, strict=True)
     ]
     for stage, index in zip(parallelized.stages, parallelized.stage_indices, strict=True):

@@ -109,6 +109,11 @@ CASES = {
             data="pairs",
             gradient_clip_val=0.1,
         ),
+        # four traced stages on two ranks handed the positions the first computes, which index a table in every block
+        "position_indexed_pp2_traced_interleaved_1f1b": Case(
+            strategy=dict(PP2, pipeline_tracer=True, pipeline_schedule="interleaved_1f1b", microbatches=4),
+            model="position_indexed",
+        ),
         "pp2_traced_on_request_clip": Case(
             strategy=dict(PP2, microbatches=4, pipeline_tracer=True), gradient_clip_val=0.1, validate=True
         ),

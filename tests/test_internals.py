@@ -179,17 +179,21 @@ def test_declared_private_members_still_exist_where_lightdist_uses_them() -> Non
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import WandbLogger
     from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.pipelining import PipelineStage
     from torch.distributed.tensor.parallel import ParallelStyle
 
     owners = {
         "_configure_launcher": ModelParallelStrategy,
         "_apply": ParallelStyle,
+        "_to_tensor": PipelineStage,  # torch 2.11 has none: it learns a stage's shapes on zeros
         "_wandb_init": WandbLogger(offline=True),  # made in __init__; no run starts until it logs
     }
     checkpoint = ModelCheckpoint()
     for name in SUBCLASS_PRIVATES:
         owner = owners.get(name, checkpoint)
-        assert hasattr(owner, name), f"{owner} has no {name} any more"
+        assert hasattr(owner, name) or (name == "_to_tensor" and torch.__version__ < "2.13"), (
+            f"{owner} has no {name} any more"
+        )
 
 
 class _Recorder(pl.LightningModule):

@@ -153,7 +153,7 @@ def test_a_model_neither_cut_can_split_says_what_to_change() -> None:
 
 def test_an_argument_a_later_stage_reads_comes_from_the_microbatch_s_model_call() -> None:
     # The lecture GPT computes its loss from targets after its blocks: the second stage reads them from the model
-    # call the schedule hands every stage, not from the first stage (torch would hand it made-up values first)
+    # call the schedule hands every stage, not sent on from the first stage
     model, tokens, targets = GPTLanguageModel(), torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
     first, last = trace_stages(model, ((tokens, targets), {}), find_repeated_blocks(model), [2, 2], torch.device("cpu"))
 

@@ -176,6 +176,36 @@ class SequentialBlocksLM(CausalLM):
         return self.unembed(self.final_norm(self.blocks(x)))
 
 
+class _PositionedBlock(_Block):
+    """A block that looks its positions up in a table of its own, by the indices it is given."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width)
+        self.positions = nn.Embedding(64, width)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        return super().forward(x + self.positions(positions))
+
+
+class PositionIndexedLM(CausalLM):
+    """Positions computed once, before the blocks, and handed to every block as indices into its table (as Hugging
+    Face models hand ``position_ids`` on): a traced pipeline's later stages are handed integers."""
+
+    def __init__(self, learning_rate: float, warmup_steps: int, weight_decay: float = 0.1) -> None:
+        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, warmup_steps=warmup_steps)
+        self.embed = nn.Embedding(64, 64)
+        self.blocks = nn.ModuleList(_PositionedBlock(64) for _ in range(4))
+        self.final_norm = nn.LayerNorm(64)
+        self.unembed = nn.Linear(64, 64, bias=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, positions)
+        return self.unembed(self.final_norm(x))
+
+
 class HeldSequentialLM(CausalLM):
     """The whole network one ``nn.Sequential`` held as ``self.model`` (embedding, blocks, norm, head; no positions),
     the step calling ``self.model(inputs)``: the tracer traces the module the step calls."""
@@ -355,6 +385,7 @@ MODELS = {
     "zoo_nanogpt_pairs": zoo.NanoGPTOnPairs,
     "zoo_lecture_gpt": zoo.LectureGPT,
     "held_sequential": HeldSequentialLM,
+    "position_indexed": PositionIndexedLM,
 }
 # The zoo's other Hugging Face families, fine-tuned on collator batches as HuggingFaceFineTuning trains them.
 ZOO_FAMILIES = ("qwen2_logits", "mistral_logits", "phi3_labels", "neox_logits", "opt_labels", "gemma_labels")

@@ -8,8 +8,7 @@ stage between the one that makes it and the one that reads it: with four stages 
 
 The model call's arguments are not passed on: the first stage takes them all, in order, and a later stage that reads
 one (a loss computed in the model from its ``targets``) takes it after what it is handed, from the microbatch's model
-call (``trace_stages``). Passed on, it would reach that stage as torch's made-up values while torch learns the shapes
-(integers out of range as targets).
+call (``trace_stages``), which the schedule hands every stage: nothing is sent through the stages between.
 """
 
 from __future__ import annotations
