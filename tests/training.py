@@ -187,16 +187,13 @@ class _PositionedBlock(_Block):
         return super().forward(x + self.positions(positions))
 
 
-class PositionIndexedLM(CausalLM):
+class PositionIndexedLM(UnknownFamilyLM):
     """Positions computed once, before the blocks, and handed to every block as indices into its table (as Hugging
     Face models hand ``position_ids`` on): a traced pipeline's later stages are handed integers."""
 
-    def __init__(self, learning_rate: float, warmup_steps: int, weight_decay: float = 0.1) -> None:
-        super().__init__(learning_rate=learning_rate, weight_decay=weight_decay, warmup_steps=warmup_steps)
-        self.embed = nn.Embedding(64, 64)
+    def __init__(self, learning_rate: float, warmup_steps: int) -> None:
+        super().__init__(learning_rate=learning_rate, warmup_steps=warmup_steps)
         self.blocks = nn.ModuleList(_PositionedBlock(64) for _ in range(4))
-        self.final_norm = nn.LayerNorm(64)
-        self.unembed = nn.Linear(64, 64, bias=False)
 
     def forward(self, tokens: Tensor) -> Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
