@@ -25,12 +25,12 @@ if TYPE_CHECKING:
 __all__ = ["announce_run", "run_header"]
 
 
-def announce_run(
-    strategy: ParallelStrategy, trainer: pl.Trainer, config: ParallelConfig, parameters: int
-) -> Estimate | None:
-    """Print the run's header on rank 0 and record how it is split in every logger, from the whole module of
-    ``parameters`` elements (call it before the module is split). Returns the planner's estimate of the most loaded
-    rank's memory on rank 0, where the module declares its batch's size; ``None`` elsewhere."""
+def announce_run(strategy: ParallelStrategy, trainer: pl.Trainer, config: ParallelConfig) -> Estimate | None:
+    """Print the run's header on rank 0 and record how it is split in every logger, from the whole module: call it
+    before the module is split, which the planner's run on fake tensors and the count of its parameters need. Returns
+    the planner's estimate of the most loaded rank's memory on rank 0, where the module declares its batch's size;
+    ``None`` elsewhere."""
+    parameters = sum(p.numel() for p in strategy.lightning_module.parameters())
     estimate = None
     if trainer.is_global_zero:
         estimate, why_not = _planned_memory(strategy, config)

@@ -157,8 +157,8 @@ class ParallelStrategy(CheckpointingStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self.accelerator.setup(trainer)
-        parameters = sum(p.numel() for p in self.lightning_module.parameters())  # whole, before it is split
-        self.planned_memory = announce_run(self, trainer, self._config, parameters)
+        if self._parallelized is None or self._parallelized.model.module is not self.lightning_module:
+            self.planned_memory = announce_run(self, trainer, self._config)  # not again for validate after fit
         refuse_metrics_on_meta(self.lightning_module)
         weights = self._pretrained or getattr(self.lightning_module, "pretrained_weights", None)  # PretrainedWeights
         weights = weights if self.launcher.ckpt_path is None else None  # a resume loads the run's own checkpoint

@@ -124,7 +124,7 @@ def test_the_progress_bar_counts_steps_toward_max_steps_and_a_users_own_bar_is_l
 # A user's own script, as `python train.py` runs it: Lightning's own ModelCheckpoint, saving every step in the
 # background (ParallelStrategy's default), and lightdist imported in the main block only, which the checkpoint process
 # torch spawns per rank never runs. Its module declares no `seq_len` or `batch_size`, so the header says why it has
-# no memory estimate.
+# no memory estimate. It validates after training, as scripts do: the header is printed once.
 USERS_SCRIPT = """
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -140,6 +140,9 @@ class Tiny(LightningModule):
         for layer in self.layers:
             batch = layer(batch)
         return batch.sum()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.training_step(batch, batch_idx))
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -158,7 +161,9 @@ if __name__ == "__main__":
         enable_model_summary=False,
         callbacks=[ModelCheckpoint(dirpath="checkpoints", every_n_train_steps=1)],
     )
-    trainer.fit(Tiny(), torch.utils.data.DataLoader(torch.ones(8, 2), batch_size=2))
+    model, data = Tiny(), torch.utils.data.DataLoader(torch.ones(8, 2), batch_size=2)
+    trainer.fit(model, data)
+    trainer.validate(model, data)
 """
 
 
@@ -181,7 +186,7 @@ def test_a_users_own_script_prints_no_checkpoint_process_lines_and_the_headers_m
     checkpoint_process = ("checkpoint background process", "checkpoint save request")
     printed = run_users_script(tmp_path)
     assert not [line for line in printed.splitlines() if any(noise in line for noise in checkpoint_process)]
-    (memory,) = [line for line in printed.splitlines() if line.startswith("  memory per rank")]
+    (memory,) = [line for line in printed.splitlines() if line.startswith("  memory per rank")]  # fit's, not again
     # The planner's reason whole, naming both attributes to add; not cut at a width.
     assert memory.startswith("  memory per rank: not estimated (") and memory.endswith(".)"), memory
     assert "`seq_len`" in memory and "`batch_size`" in memory, memory
