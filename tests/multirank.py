@@ -17,6 +17,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -28,7 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from lightdist.structure import find_decoder_stack
 from lightdist.tensor_parallel import apply_tensor_parallel, discover_plan
 
-__all__ = ["free_port", "raised", "run_each", "run_ranks", "split_over_two_ranks"]
+__all__ = ["free_port", "raised", "run_each", "run_ranks", "run_ranks_beside", "split_over_two_ranks"]
 
 
 def free_port() -> int:
@@ -108,6 +109,16 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0)
     if errors:
         raise RuntimeError("\n".join(errors))
     return [outputs[rank] for rank in range(world_size)]
+
+
+_BESIDE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ranks-beside")
+
+
+def run_ranks_beside(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0) -> Future[list[Any]]:
+    """``run_ranks`` started in the background, its results (or error) in the future it returns: a single-process
+    reference trains on the core that a group of ranks leaves idle while its ranks wait for each other (a whole
+    equivalence suite's references hide behind its first group)."""
+    return _BESIDE.submit(run_ranks, world_size, fn, *args, timeout=timeout)
 
 
 def _killed(procs: list[mp.Process]) -> list[str]:

@@ -17,7 +17,7 @@ from lightdist.activation_checkpointing import apply_activation_checkpointing, a
 from lightdist.structure import find_decoder_stack
 
 from multirank import run_ranks
-from training import MODELS, WEIGHT_ATOL, Case, Result, train_cases
+from training import MODELS, WEIGHT_ATOL, Case, References, Result, train_cases
 
 
 class Attention(nn.Module):
@@ -87,9 +87,9 @@ CHECKPOINTED_UNDER_ZERO3 = {
 def zero3_and_single_process_results() -> dict[str, tuple[Result, Result]]:
     """Each case on 2 ranks (all in one group of processes) and its single-process reference, not checkpointed."""
     cases = list(CHECKPOINTED_UNDER_ZERO3.values())
+    single = References([case.reference(2) for case in cases])
+    single.start()
     parallel = run_ranks(2, train_cases, cases, 2)[0]
-    references = list(dict.fromkeys(case.reference(2) for case in cases))
-    single = dict(zip(references, run_ranks(1, train_cases, references)[0], strict=True))
     return {
         name: (result, single[case.reference(2)])
         for (name, case), result in zip(CHECKPOINTED_UNDER_ZERO3.items(), parallel, strict=True)

@@ -22,7 +22,7 @@ import lightdist.plugins
 from lightdist.cli import main
 from lightdist.plugins.checkpoint import adopt_checkpoint_callbacks
 
-from multirank import run_each, run_ranks
+from multirank import run_each, run_ranks, run_ranks_beside
 from training import Case, Result, StopAfter, checkpoint_files, listing, train
 
 
@@ -134,8 +134,9 @@ def test_lightnings_best_checkpoint_and_learning_rate_monitor_record_what_one_pr
         val_check_interval=2,
     )
     parallel, single = tmp_path / "parallel", tmp_path / "single"
+    one_process = run_ranks_beside(1, fit_keeping_the_best, case.reference(2), 1, str(single))
     (score, path), rank_1 = run_ranks(2, fit_keeping_the_best, case, 2, str(parallel))
-    [(single_score, single_path)] = run_ranks(1, fit_keeping_the_best, case.reference(2), 1, str(single))
+    [(single_score, single_path)] = one_process.result()
 
     assert rank_1 == (score, path)  # both stages' callbacks saw the same val_loss, so they saved together
     assert score == pytest.approx(single_score, rel=1e-5)

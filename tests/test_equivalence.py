@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from multirank import run_ranks
-from training import WEIGHT_ATOL, Case, Result, merge_stages, train_cases
+from training import WEIGHT_ATOL, Case, References, Result, merge_stages, train_cases
 
 pytestmark = pytest.mark.multirank
 
@@ -400,20 +400,17 @@ CASES = {
 }
 
 
+# Every single-process run the parallel cases are compared with
+REFERENCES = References([case.reference(size) for size, cases in CASES.items() for case in cases.values()], timeout=900)
+
+
 @cache
 def parallel_results(world_size: int) -> dict[str, Result]:
+    REFERENCES.start()
     cases = CASES[world_size]
     # A group trains its cases one after another (starting ranks is the slow part): minutes, not the default's 300 s
     results = merge_stages(run_ranks(world_size, train_cases, list(cases.values()), world_size, timeout=900))
     return dict(zip(cases, results, strict=True))
-
-
-@cache
-def reference_results() -> dict[Case, Result]:
-    """Every single-process run the parallel cases are compared with, trained in one process."""
-    references = [case.reference(world_size) for world_size, cases in CASES.items() for case in cases.values()]
-    references = list(dict.fromkeys(references))
-    return dict(zip(references, run_ranks(1, train_cases, references, timeout=900)[0], strict=True))
 
 
 @pytest.mark.parametrize(
@@ -422,7 +419,7 @@ def reference_results() -> dict[Case, Result]:
 def test_parallel_run_matches_single_process(world_size: int, name: str) -> None:
     case = CASES[world_size][name]
     parallel = parallel_results(world_size)[name]
-    single = reference_results()[case.reference(world_size)]
+    single = REFERENCES[case.reference(world_size)]
     assert not parallel.error, parallel.error
     assert not single.error, single.error
 
@@ -442,7 +439,7 @@ def test_parallel_run_matches_single_process(world_size: int, name: str) -> None
 
 def test_training_moves_the_weights() -> None:
     """Guards the comparison above: a run that did not train would match nothing but itself."""
-    trained = reference_results()[CASES[2]["zero3"].reference(world_size=2)]
+    trained = REFERENCES[CASES[2]["zero3"].reference(world_size=2)]
     assert trained.losses[-1] < trained.losses[0]
     # ... and one that did not validate would compare nothing: 8 batches of 8 windows, each counted once.
     assert trained.validated.keys() == {"val_loss", "val_perplexity", "val_windows"}

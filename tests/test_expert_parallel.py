@@ -27,7 +27,7 @@ from lightdist.models import Llama, MoELlama, TokenDataModule
 from lightdist.plugins import ParallelStrategy, TrainingMonitor, WandbLogger
 
 from multirank import run_ranks
-from training import MODELS, WEIGHT_ATOL, Case, Result, merge_stages, train_cases
+from training import MODELS, WEIGHT_ATOL, Case, References, Result, merge_stages, train_cases
 from wandb_offline import offline_run_history
 
 pytestmark = pytest.mark.multirank
@@ -137,6 +137,7 @@ def _with_twins(cases: list[Case]) -> list[Case]:
 def parallel_results(world_size: int) -> dict[str, tuple[Result, Result]]:
     """Each case's expert-parallel run and its plain data-parallel twin, every case of a world size in one group of
     ranks; on two ranks also the refused runs."""
+    REFERENCES.start()
     paired = {**MATCH_ONE_PROCESS[world_size], **MATCH_DATA_PARALLEL[world_size]}
     refused = REFUSED.get(world_size, {})
     cases = _with_twins(list(paired.values())) + [case for case, _ in refused.values()]
@@ -149,12 +150,9 @@ def parallel_results(world_size: int) -> dict[str, tuple[Result, Result]]:
 AUX_LOSS_ON_ONE_PROCESS = Case(model="moe").reference(2)
 
 
-@cache
-def reference_results() -> dict[Case, Result]:
-    """The single-process runs, in one process: those compared with, and the load-balancing loss's on one process."""
-    references = [case.reference(size) for size, cases in MATCH_ONE_PROCESS.items() for case in cases.values()]
-    references = list(dict.fromkeys([*references, AUX_LOSS_ON_ONE_PROCESS]))
-    return dict(zip(references, run_ranks(1, train_cases, references)[0], strict=True))
+# The single-process runs: those compared with, and the load-balancing loss's on one process.
+COMPARED = [case.reference(size) for size, cases in MATCH_ONE_PROCESS.items() for case in cases.values()]
+REFERENCES = References([*COMPARED, AUX_LOSS_ON_ONE_PROCESS])
 
 
 def assert_same_losses(run: Result, expected: Result, case: Case) -> None:
@@ -191,7 +189,7 @@ def assert_same_weights(run: Result, expected: Result) -> None:
 def test_expert_parallel_run_matches_one_process(world_size: int, name: str) -> None:
     case = MATCH_ONE_PROCESS[world_size][name]
     expert_parallel, data_parallel = parallel_results(world_size)[name]
-    single = reference_results()[case.reference(world_size)]
+    single = REFERENCES[case.reference(world_size)]
     assert_same_losses(expert_parallel, single, case)
     assert_same_losses(data_parallel, single, case)  # the same layout with every expert on every rank
     assert_same_weights(expert_parallel, data_parallel)
@@ -210,7 +208,7 @@ def test_with_the_load_balancing_loss_expert_parallel_matches_plain_data_paralle
 def test_the_load_balancing_loss_trains_as_each_ranks_own() -> None:
     """Guards the comparison above: with the load-balancing loss, data parallelism is not one process."""
     _, data_parallel = parallel_results(2)["moe_aux_loss"]
-    single = reference_results()[AUX_LOSS_ON_ONE_PROCESS]
+    single = REFERENCES[AUX_LOSS_ON_ONE_PROCESS]
     assert data_parallel.losses[0] == pytest.approx(single.losses[0], rel=1e-6)  # the same weights at step 1
     assert data_parallel.losses[-1] != pytest.approx(single.losses[-1], rel=1e-5)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tempfile
 import xml.etree.ElementTree as ElementTree
+from concurrent.futures import Future
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from lightdist.plugins import ParallelStrategy, ProfileSteps
 from lightdist.plugins.pipeline_step import model_call_of
 from lightdist.timeline import stage_spans
 
-from multirank import run_each, run_ranks
+from multirank import run_each, run_ranks, run_ranks_beside
 from training import MODELS, Case, train
 
 
@@ -210,6 +211,7 @@ PP2 = dict(pipeline_parallel_size=2, microbatches=2)
 @cache
 def pipeline_results() -> dict[str, tuple]:
     """Each pipelined run above, all in one pair of ranks: rank 0's result (first stage) and rank 1's (last)."""
+    single_process_run()
     calls = {
         f"validate_{schedule}": (validate, (dict(PP2, pipeline_schedule=schedule), 2))
         for schedule in ("1f1b", "interleaved_1f1b")
@@ -224,6 +226,11 @@ def pipeline_results() -> dict[str, tuple]:
 
 
 @cache
+def single_process_run() -> Future[list[list[Any]]]:
+    """Validation and prediction in one process, beside the pipeline's ranks: started with them."""
+    return run_ranks_beside(1, run_each, [(validate, (None, 1)), (predict, (None, 1))])
+
+
 def single_process_results() -> dict[str, Any]:
-    validated, predicted = run_ranks(1, run_each, [(validate, (None, 1)), (predict, (None, 1))])[0]
+    validated, predicted = single_process_run().result()[0]
     return {"validate": validated, "predict": predicted}

@@ -10,7 +10,7 @@ from lightning.pytorch import Callback
 
 import training
 from multirank import run_each, run_ranks
-from training import Case
+from training import Case, References
 
 pytestmark = pytest.mark.multirank
 
@@ -35,25 +35,24 @@ ZERO_STAGES = (1, 2, 3)
 STEPS = 3
 
 
+# The single-process fp32 run every stage's bf16 run is compared with, trained once, beside them.
+FP32 = Case(steps=STEPS, batch_size=2 * Case.batch_size)
+REFERENCES = References([FP32])
+
+
 @cache
 def bf16_results() -> dict[int, tuple[training.Result, set[torch.dtype]]]:
     """A bf16 run per ZeRO stage, all in one pair of ranks."""
+    REFERENCES.start()
     cases = [Case(strategy=dict(zero_stage=stage), precision="bf16-mixed", steps=STEPS) for stage in ZERO_STAGES]
     results, _ = run_ranks(2, run_each, [(train_and_record_dtypes, (case,)) for case in cases])
     return dict(zip(ZERO_STAGES, results, strict=True))
 
 
-@cache
-def fp32_reference() -> training.Result:
-    """The single-process fp32 run every stage's bf16 run is compared with, trained once."""
-    (reference,) = run_ranks(1, training.train, Case(steps=STEPS, batch_size=2 * Case.batch_size))
-    return reference
-
-
 @pytest.mark.parametrize("zero_stage", ZERO_STAGES)
 def test_bf16_mixed_computes_in_bf16_and_keeps_fp32_weights(zero_stage: int) -> None:
     result, dtypes = bf16_results()[zero_stage]
-    reference = fp32_reference()
+    reference = REFERENCES[FP32]
 
     assert dtypes == {torch.bfloat16}
     assert {tensor.dtype for tensor in result.params.values()} == {torch.float32}

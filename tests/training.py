@@ -15,6 +15,7 @@ import json
 import os
 import traceback
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -42,6 +43,7 @@ from lightdist.plugins import ModelCheckpoint, ParallelStrategy, TrainingMonitor
 from lightdist.prepare import prepare
 
 import zoo
+from multirank import run_ranks_beside
 
 
 class _Mixer(nn.Module):
@@ -692,3 +694,20 @@ def train_cases(cases: list[Case], devices: int = 1) -> list[Result]:
         except Exception:
             results.append(Result(error=traceback.format_exc()))
     return results
+
+
+class References:
+    """Single-process runs, once each, trained in one process beside the parallel groups they are compared with: on
+    the core those groups' ranks leave idle while they wait for each other. ``start`` it with the first group."""
+
+    def __init__(self, cases: list[Case], timeout: float = 300.0) -> None:
+        self.cases, self.timeout = list(dict.fromkeys(cases)), timeout
+        self._training: Future[list[list[Result]]] | None = None
+
+    def start(self) -> None:
+        if self._training is None:
+            self._training = run_ranks_beside(1, train_cases, self.cases, timeout=self.timeout)
+
+    def __getitem__(self, case: Case) -> Result:
+        self.start()
+        return self._training.result()[0][self.cases.index(case)]
