@@ -7,8 +7,12 @@ The Trainer's runs (``ParallelStrategy(context_parallel_size=...)``) are compare
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -418,3 +422,102 @@ def test_each_rank_holds_a_chunk_from_each_end() -> None:
     assert load_balanced_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
     assert load_balanced_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
     assert sorted(torch.cat([load_balanced_positions(16, 4, r) for r in range(4)]).tolist()) == list(range(16))
+
+
+# A user's own fine-tuning script, as `python train.py` runs it under Lightning's own launcher: a Hugging Face Llama
+# computing its loss from labels, collated batches padded to a multiple of 8 with -100 labels, Lightning's
+# ModelCheckpoint saving in the background, every block recomputed in backward. `--one-process` trains it on one
+# process, without lightdist.
+LONG_CONTEXT_SCRIPT = """
+import json
+import sys
+
+import torch
+import transformers
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, DistributedSampler
+
+
+class FineTuning(LightningModule):
+    def __init__(self):
+        super().__init__()
+        config = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+        self.model = transformers.AutoModelForCausalLM.from_config(config)
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.losses.append(self.trainer.callback_metrics["train_loss"].item())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def collate(documents):
+    length = -(-max(len(document) for document in documents) // 8) * 8
+    input_ids = torch.zeros(len(documents), length, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, document in enumerate(documents):
+        input_ids[row, : len(document)] = torch.tensor(document)
+        attention_mask[row, : len(document)] = 1
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+if __name__ == "__main__":
+    seed_everything(0)
+    generator = torch.Generator().manual_seed(0)
+    documents = [torch.randint(1, 64, (int(n),), generator=generator).tolist() for n in torch.randint(20, 60, (12,))]
+    if "--one-process" in sys.argv:  # in the order Lightning's own sampler deals the parallel run: shuffled, seed 0
+        strategy, devices = "auto", 1
+        order = DistributedSampler(documents, num_replicas=1, rank=0, shuffle=True, seed=0)
+    else:
+        from lightdist.plugins import ParallelStrategy
+
+        strategy, devices = ParallelStrategy(context_parallel_size=2, activation_checkpointing="full"), 2
+        order = None
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath="checkpoints", every_n_train_steps=2)],
+    )
+    model = FineTuning()
+    trainer.fit(model, DataLoader(documents, batch_size=4, sampler=order, collate_fn=collate))
+    if trainer.is_global_zero:
+        print("losses:", json.dumps(model.losses))
+"""
+
+
+def test_a_users_own_script_trains_long_sequences_with_recomputed_blocks_as_one_process_does(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(LONG_CONTEXT_SCRIPT)
+    runs = {  # side by side: the one process trains on the core the two ranks leave idle
+        name: subprocess.Popen(
+            [sys.executable, "train.py", *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for name, args in (("cp2", []), ("one_process", ["--one-process"]))
+    }
+    losses, printed = {}, {}
+    for name, run in runs.items():
+        stdout, stderr = run.communicate(timeout=300)
+        assert run.returncode == 0, stderr[-3000:]
+        (line,) = [line for line in stdout.splitlines() if line.startswith("losses: ")]
+        losses[name], printed[name] = json.loads(line.removeprefix("losses: ")), stdout + stderr
+    assert (
+        "each sequence split over 2 ranks (attention: all_to_all, auto), full activation checkpointing"
+        in (printed["cp2"])
+    )
+    assert len(losses["cp2"]) == 3
+    assert losses["cp2"] == pytest.approx(losses["one_process"], rel=1e-5)
