@@ -157,14 +157,16 @@ class ParallelStrategy(CheckpointingStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self.accelerator.setup(trainer)
-        if self._parallelized is None or self._parallelized.model.module is not self.lightning_module:
-            self.planned_memory = announce_run(self, trainer, self._config)  # not again for validate after fit
+        # A later run of the module this strategy split (validate after fit) keeps its split, header and weights.
+        first_run = self._parallelized is None or self._parallelized.model.module is not self.lightning_module
+        if first_run:
+            self.planned_memory = announce_run(self, trainer, self._config)
         refuse_metrics_on_meta(self.lightning_module)
         weights = self._pretrained or getattr(self.lightning_module, "pretrained_weights", None)  # PretrainedWeights
-        weights = weights if self.launcher.ckpt_path is None else None  # a resume loads the run's own checkpoint
+        weights = weights if first_run and self.launcher.ckpt_path is None else None  # a resume loads its checkpoint
         if weights is not None:
             reader = check_pretrained(self.lightning_module, weights)  # before the model takes any memory
-        self.model = self._parallelize(self.lightning_module)
+        self.model = self._parallelize(self.lightning_module) if first_run else self._parallelized.model
         reduce_metrics_over(self.lightning_module, self.device_mesh["dp"].get_group())
         with metrics_set_aside(self.lightning_module):
             materialize(self.lightning_module, self.root_device, filled_after=weights.fills if weights else None)
@@ -192,10 +194,8 @@ class ParallelStrategy(CheckpointingStrategy):
         return self._config.as_run(self.layout) | {"non_finite": self._non_finite.policy, "precision": precision}
 
     def _parallelize(self, module: pl.LightningModule) -> ModelHolder:
-        """Split the LightningModule over the mesh (``lightdist.parallelize``), once per module; under a pipeline, run
-        its steps through the schedule."""
-        if self._parallelized is not None and self._parallelized.model.module is module:
-            return self._parallelized.model
+        """Split the LightningModule over the mesh (``lightdist.parallelize``); under a pipeline, run its steps
+        through the schedule."""
         config = self._config.with_precision(self.precision_plugin.precision)
         self._token_weights = TokenWeights(module, self.device_mesh, self.root_device, self.context_parallel)
         self._parallelized = parallelize(

@@ -24,6 +24,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from litgpt.scripts.convert_hf_checkpoint import copy_weights_hf_llama
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightdist.models import HuggingFaceCausalLM
@@ -408,7 +409,8 @@ class TrainLosses(Callback):
 def trained_losses(url: str, layouts: list[dict], devices: int, sampled_as_ranks: int = 0) -> list[list[float]]:
     """For each layout, the loss of each of 3 training steps of ``HuggingFaceCausalLM(pretrained=url)`` on batches of
     4 windows a data-parallel rank; on one device, under plain Lightning, drawing the global batches that
-    ``sampled_as_ranks`` data-parallel ranks' shuffling samplers deal."""
+    ``sampled_as_ranks`` data-parallel ranks' shuffling samplers deal. A validation after training must keep the
+    trained weights, not read the pretrained ones again."""
     results = []
     for options in layouts:
         losses = TrainLosses()
@@ -427,9 +429,17 @@ def trained_losses(url: str, layouts: list[dict], devices: int, sampled_as_ranks
         if sampled_as_ranks:
             order = ShardedOrder(data.dataset, sampled_as_ranks, data.batch_size, shuffle=True)
             data = DataLoader(data.dataset, batch_sampler=order)
-        trainer.fit(HuggingFaceCausalLM(pretrained=url, learning_rate=1e-2, warmup_steps=1), data)
+        module = HuggingFaceCausalLM(pretrained=url, learning_rate=1e-2, warmup_steps=1)
+        trainer.fit(module, data)
+        trained = [local(p).clone() for p in module.parameters()]
+        trainer.validate(module, windows(), verbose=False)
+        assert all(torch.equal(local(p), t) for p, t in zip(module.parameters(), trained, strict=True)), options
         results.append(losses.losses)
     return results
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 @pytest.mark.multirank
