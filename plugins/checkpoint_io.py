@@ -170,7 +170,7 @@ class ShardedCheckpointIO(CheckpointIO):
                 self._saver.wait_for_staging()
 
     def wait(self) -> None:
-        """Return once this rank's uploads and rank 0's commits, removals and pointers so far are done."""
+        """Return once this rank's uploads, and on rank 0 its commits, removals and pointers, so far are done."""
         if self._saver is not None:
             self._saver.wait()
 

@@ -94,6 +94,8 @@ class CheckpointingStrategy(MeshStrategy):
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded checkpoint of any ZeRO stage and layout, keyed by the LightningModule's own parameter
         names, from a path or any fsspec URL, or from a pointer to one."""
+        # Rank 0 alone writes commits and pointers (last.ckpt): its broadcast, once they are done, lets the others read.
+        self.checkpoint_io.wait()
         url = self.broadcast(str(checkpoint_path))
         module = self.lightning_module
         checkpoint = self.checkpoint_io.load_training_state(

@@ -7,6 +7,7 @@ processes created externally and launches nothing itself.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import io
 import multiprocessing as mp
 import os
@@ -50,6 +51,7 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
     )
     # Two cores, up to eight ranks: one thread each keeps them from fighting over the cores.
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where a rank is stuck, printed when run_ranks gives up
     try:
         # Results travel as bytes: tensors sent as shared memory would vanish when this process exits.
         buffer = io.BytesIO()
@@ -91,7 +93,8 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0)
                 rank, value, error = results.get(timeout=1)
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    errors.append(f"no result from every rank within {timeout:.0f} s")
+                    _print_stacks(procs)
+                    errors.append(f"no result from every rank within {timeout:.0f} s; their stacks are on stderr")
                 continue
             if error is not None:
                 errors.append(f"rank {rank}:\n{error}")
@@ -119,6 +122,16 @@ def run_ranks_beside(world_size: int, fn: Callable, *args: Any, timeout: float =
     reference trains on the core that a group of ranks leaves idle while its ranks wait for each other (a whole
     equivalence suite's references hide behind its first group)."""
     return _BESIDE.submit(run_ranks, world_size, fn, *args, timeout=timeout)
+
+
+def _print_stacks(procs: list[mp.Process]) -> None:
+    """Each live rank prints every thread's stack to stderr, which pytest shows with the failure; one at a time."""
+    for rank, proc in enumerate(procs):
+        if proc.is_alive():
+            print(f"rank {rank}, stuck:", file=sys.stderr, flush=True)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(0.5)
 
 
 def _killed(procs: list[mp.Process]) -> list[str]:

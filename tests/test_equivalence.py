@@ -408,8 +408,9 @@ REFERENCES = References([case.reference(size) for size, cases in CASES.items() f
 def parallel_results(world_size: int) -> dict[str, Result]:
     REFERENCES.start()
     cases = CASES[world_size]
-    # A group trains its cases one after another (starting ranks is the slow part): minutes, not the default's 300 s
-    results = merge_stages(run_ranks(world_size, train_cases, list(cases.values()), world_size, timeout=900))
+    # A group trains its cases one after another (starting ranks is the slow part): minutes, not the default's 300 s,
+    # and under pytest's 600 s, so that a stuck group prints where its ranks are.
+    results = merge_stages(run_ranks(world_size, train_cases, list(cases.values()), world_size, timeout=560))
     return dict(zip(cases, results, strict=True))
 
 

@@ -3,11 +3,16 @@ report, as ``ParallelStrategy(non_finite=...)`` says; the weights never take in 
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from unittest.mock import patch
+
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from lightdist import async_checkpoint
 from lightdist.models import TokenDataModule
 from lightdist.plugins import ModelCheckpoint, NonFiniteError, ParallelStrategy
 
@@ -53,8 +58,22 @@ def train_through_a_bad_batch(policy: str, run: str) -> tuple[list[dict[str, tor
     return record.weights, ""
 
 
+def written_late(write_pointer: Callable[[str, str], None]) -> Callable[[str, str], None]:
+    """Rank 0 writes ``last.ckpt`` a second after the checkpoint is complete, as a bucket slow to answer may: the
+    other ranks must still roll back to the checkpoint it names, not find none or an older one."""
+
+    def write_late(url: str, checkpoint_url: str) -> None:
+        time.sleep(1.0)
+        write_pointer(url, checkpoint_url)
+
+    return write_late
+
+
 def runs_through_a_bad_batch(root: str) -> dict[str, tuple[list[dict[str, torch.Tensor]], str]]:
-    return {policy: train_through_a_bad_batch(policy, f"{root}/{policy}") for policy in ("skip", "rollback", "stop")}
+    runs = {policy: train_through_a_bad_batch(policy, f"{root}/{policy}") for policy in ("skip", "stop")}
+    with patch.object(async_checkpoint, "write_pointer", written_late(async_checkpoint.write_pointer)):
+        runs["rollback"] = train_through_a_bad_batch("rollback", f"{root}/rollback")
+    return runs
 
 
 @pytest.fixture(scope="module")
