@@ -6,18 +6,21 @@ process and in the ranks it starts.
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import fsspec
 import pytest
 import s3fs
+import torch.distributed as dist
 from fsspec import AbstractFileSystem
 from gcsfs.core import GCSFileSystem
 
@@ -25,9 +28,9 @@ from multirank import free_port
 
 
 @contextmanager
-def _environment(variables: dict[str, str]) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
+def _restored(names: Iterable[str]) -> Iterator[None]:
+    """The environment variables ``names`` as they were before, once the block is done."""
+    saved = {name: os.environ.get(name) for name in names}
     try:
         yield
     finally:
@@ -36,6 +39,32 @@ def _environment(variables: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@contextmanager
+def _environment(variables: dict[str, str]) -> Iterator[None]:
+    with _restored(variables):
+        os.environ.update(variables)
+        yield
+
+
+# What Lightning's launcher sets in the process it launches from, and lightdist's share of the cores.
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK", "OMP_NUM_THREADS")
+
+
+@pytest.fixture(autouse=True)
+def _process_left_as_found() -> Iterator[None]:
+    """A test that trains in this process (``devices=1``) leaves what a later test's ``python train.py`` would
+    inherit: LOCAL_RANK (its launcher then takes the processes as started by another and waits for a rank it never
+    starts) and MASTER_PORT (a port this process's store still holds). A storage endpoint a strategy configured
+    would outlive the server it named. Each test leaves the process as it found it."""
+    storage_defaults = copy.deepcopy(fsspec.config.conf)
+    with _restored(LAUNCH_VARIABLES):
+        yield
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    fsspec.config.conf.clear()
+    fsspec.config.conf.update(storage_defaults)
 
 
 @contextmanager
