@@ -13,8 +13,9 @@ sharding, read from a model built on the meta device. The rest is a model for ra
   the pipeline's bubble, plus ring all-reduce and all-gather time of tensor- and data-parallel traffic at the links'
   bandwidth, and under context parallelism the all-to-all's heads or the ring's key/value blocks (the method "auto"
   picks from the heads), with no overlap assumed.
-- context parallelism (``cp``) divides every activation and the logits by ``cp``; its ranks shard ZeRO state with the
-  data-parallel ones. A layout takes it only where the same split without it does not fit.
+- context parallelism (``cp``) divides every activation and the logits by ``cp``; attention written by hand keeps
+  the other ranks' keys and values too, gathered. Its ranks shard ZeRO state with the data-parallel ones. A layout
+  takes it only where the same split without it does not fit.
 """
 
 from __future__ import annotations
@@ -232,6 +233,14 @@ class ModelShape:
         written by hand: Hugging Face's ``"eager"``, nanoGPT's slow path)."""
         return [linear + square * seq_len for linear, square in self._activation_terms]
 
+    def gathered_bytes_per_token(self, cp: int) -> list[float]:
+        """Bytes each block keeps for backward, at fp32, per token of the whole sequence, beside its share under
+        context parallelism: attention written by hand scores its queries against the keys of every rank and weighs
+        their values, so it keeps the other ranks' keys and values, gathered (lightdist/attention_by_hand.py), as
+        wide as the queries (grouped keys are repeated before the product). A kernel (SDPA, split by ring or
+        all-to-all) keeps only its share's."""
+        return [2 * 4 * self.dim * (cp - 1) / cp if square else 0.0 for _, square in self._activation_terms]
+
     @cached_property
     def _activation_terms(self) -> list[tuple[float, float]]:
         """Per block, bytes saved per token and per token squared, measured by running the model forward on fake
@@ -336,8 +345,10 @@ def estimate(shape: ModelShape, layout: Layout, training: Training, cluster: Clu
     tokens = training.micro_batch * training.seq_len / layout.cp  # per microbatch and rank
     sizes = shape.blocks_per_stage(layout.pp)
     saved = [
-        bytes_per_token * compute_bytes / 4 * tokens / layout.tp
-        for bytes_per_token in shape.activation_bytes_per_token(training.seq_len)
+        (own * tokens + gathered * tokens * layout.cp) * compute_bytes / 4 / layout.tp
+        for own, gathered in zip(
+            shape.activation_bytes_per_token(training.seq_len), shape.gathered_bytes_per_token(layout.cp), strict=True
+        )
     ]
     worst: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
     rank_parameters = shape.rank_parameters(layout.pp, layout.tp, layout.reducing, layout.ep)

@@ -7,6 +7,7 @@ The Trainer's runs (``ParallelStrategy(context_parallel_size=...)``) are compare
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import subprocess
@@ -98,6 +99,10 @@ def nanogpt(attention: type[CausalSelfAttention] = CausalSelfAttention) -> nn.Mo
     for block in model.transformer.h:
         block.attn = attention(GPTConfig(flash=False))
     return model
+
+
+# nanoGPT's slow path, and Hugging Face's "eager" attention with grouped keys, repeated before the scores
+BY_HAND = {"nanogpt_slow": nanogpt, "hf_llama_eager": functools.partial(hf_llama, "eager")}
 
 
 def nanogpt_loss(model: nn.Module, batch: Tensor) -> Tensor:
@@ -286,6 +291,12 @@ def context_parallel_in_a_plain_loop() -> dict:
     results["saved_ratio"] = saved_activation_bytes(
         llama, long, ContextParallel(mesh, "auto", llama)
     ) / saved_activation_bytes(llama, long, None)
+    # Attention written by hand keeps the other rank's keys and values too, gathered for its scores
+    for name, model in BY_HAND.items():
+        model = model()
+        results[f"saved_ratio_{name}"] = saved_activation_bytes(
+            model, long, ContextParallel(mesh, "auto", model)
+        ) / saved_activation_bytes(model, long, None)
 
     def step_on(model: nn.Module, batch, method: str = "auto", loss_of=labels_loss, pipelined: bool = False) -> Tensor:
         cp = ContextParallel(mesh, method, model, pipelined)
@@ -387,6 +398,18 @@ def test_each_rank_keeps_half_the_activations_as_the_planner_estimates(plain_loo
     whole, split = (estimate(shape, Layout(1, 1, 1, cp=cp), training, cluster).activations for cp in (1, 2))
     assert split / whole == 0.5
     assert plain_loop["saved_ratio"] == pytest.approx(split / whole, abs=0.05)
+
+
+@pytest.mark.parametrize("name", BY_HAND)
+def test_attention_by_hand_keeps_the_gathered_keys_and_values_as_the_planner_estimates(
+    plain_loop: dict, name: str
+) -> None:
+    with torch.device("meta"):
+        shape = ModelShape(BY_HAND[name]())
+    training, cluster = Training(seq_len=64, global_batch=1, precision="32-true"), Cluster(gpus=2)
+    whole, split = (estimate(shape, Layout(1, 1, 1, cp=cp), training, cluster).activations for cp in (1, 2))
+    assert split / whole > 0.52
+    assert plain_loop[f"saved_ratio_{name}"] == pytest.approx(split / whole, abs=0.02)
 
 
 def test_what_cannot_be_split_is_refused_with_the_way_out(plain_loop: dict) -> None:
