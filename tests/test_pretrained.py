@@ -24,12 +24,12 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from litgpt.scripts.convert_hf_checkpoint import copy_weights_hf_llama
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightdist.models import HuggingFaceCausalLM
 from lightdist.plugins import ParallelStrategy
 from lightdist.pretrained import PretrainedWeights
+from lightdist.sharding import local_tensor
 
 from multirank import raised, run_ranks
 from training import ShardedOrder
@@ -431,15 +431,11 @@ def trained_losses(url: str, layouts: list[dict], devices: int, sampled_as_ranks
             data = DataLoader(data.dataset, batch_sampler=order)
         module = HuggingFaceCausalLM(pretrained=url, learning_rate=1e-2, warmup_steps=1)
         trainer.fit(module, data)
-        trained = [local(p).clone() for p in module.parameters()]
+        trained = [local_tensor(p).clone() for p in module.parameters()]
         trainer.validate(module, windows(), verbose=False)
-        assert all(torch.equal(local(p), t) for p, t in zip(module.parameters(), trained, strict=True)), options
+        assert all(torch.equal(local_tensor(p), t) for p, t in zip(module.parameters(), trained, strict=True)), options
         results.append(losses.losses)
     return results
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 @pytest.mark.multirank
