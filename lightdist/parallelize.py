@@ -34,7 +34,7 @@ from lightdist.layout import ParallelLayout
 from lightdist.layout_probe import probe_layouts
 from lightdist.listed_experts import apply_listed_expert_parallel
 from lightdist.pipeline.schedules import PipelineSchedule, check_schedule, stages_of_rank, virtual_stages_of
-from lightdist.pipeline.structural import ModelCall, StageModel, keep_stages, stage_sizes
+from lightdist.pipeline.structural import ModelCall, StageModel, keep_stages, stage_ends, stage_sizes
 from lightdist.pipeline.tied import tied_across_stages, tied_names
 from lightdist.pipeline.traced import (
     TracedInput,
@@ -469,7 +469,8 @@ def _parallelize_traced(
 def _cut_pipeline_stages(
     model: nn.Module, stack: DecoderStack, mesh: DeviceMesh, config: ParallelConfig, root: nn.Module
 ) -> tuple[DecoderStack, Parallelized]:
-    """Keep this rank's stages of ``model``: their blocks, and the embeddings or the norm and head."""
+    """Keep this rank's stages of ``model``: their blocks, and the modules before the blocks (the embeddings) or after
+    them (the norm and head)."""
     pp = mesh["pp"].size()
     count = pp * config.stages_per_pipeline_rank
     sizes = _blocks_per_stage(len(stack), stack.name, count, pp, config, lambda: stage_sizes(model, stack, count))
@@ -478,7 +479,8 @@ def _cut_pipeline_stages(
     ranges = {index: range(sum(sizes[:index]), sum(sizes[: index + 1])) for index in indices}
     blocks = list(stack.blocks)
     kept = {block for r in ranges.values() for block in r}
-    stack = keep_stages(model, stack, kept, first=0 in indices, last=count - 1 in indices)
+    ends = stage_ends(model, stack)
+    stack = keep_stages(model, stack, kept, first=0 in indices, last=count - 1 in indices, ends=ends)
     as_stream = None
     if mesh["tp"].size() > 1 and config.sequence_parallel:
         as_stream = partial(DTensor.from_local, device_mesh=mesh["tp"], placements=[Shard(1)], run_check=False)
@@ -490,6 +492,7 @@ def _cut_pipeline_stages(
             first=index == 0,
             last=index == count - 1,
             as_stream=as_stream,
+            ends=ends,
         )
         for index in indices
     ]

@@ -188,6 +188,15 @@ CASES = {
         # OPT's learned positions are called with the attention mask and position_ids on every stage
         "zoo_hf_opt_pp2_learned_positions_labels": Case(strategy=dict(PP2), model="zoo_hf_opt_labels"),
         "zoo_hf_falcon_pp2_logits": Case(strategy=dict(PP2), model="zoo_hf_falcon_logits"),
+        # BLOOM norms its embeddings before its blocks: that norm runs on the first stage, where the forward runs it
+        "zoo_hf_bloom_pp2_labels_embeddings_normed_on_the_first_stage": Case(
+            strategy=dict(PP2), model="zoo_hf_bloom_labels"
+        ),
+        "zoo_hf_falcon_alibi_pp2_labels": Case(strategy=dict(PP2), model="zoo_hf_falcon_alibi_labels"),
+        **{
+            f"zoo_hf_{family}_pp2_logits": Case(strategy=dict(PP2), model=f"zoo_hf_{family}_logits")
+            for family in ("qwen3", "gemma3_text", "deepseek_v3")  # deepseek_v3: latent attention, a dense first layer
+        },
         # The batches people's loaders make (tests/training.py LoaderBatches), shuffled by the sampler Lightning adds:
         # Hugging Face's collator's dict passed whole to the model (`self.model(**batch)`), a TensorDataset's (x, y)
         "zoo_hf_llama_pp2_collated_validating_clip": Case(
@@ -382,6 +391,7 @@ CASES = {
             gradient_clip_val=0.1,
         ),
         "3d_hf_llama": Case(strategy=dict(PP2, **TP2), model="hf_llama", validate=True),
+        "zoo_hf_bloom_3d_labels": Case(strategy=dict(PP2, **TP2), model="zoo_hf_bloom_labels", seq_len=31),
         # its 33-token windows do not split over 2 sequence-parallel ranks (tests/test_bad_input.py)
         "zoo_hf_llama_3d_labels_without_sequence_parallel": Case(
             strategy=dict(PP2, **TP2_NO_SP), model="zoo_hf_llama_labels"

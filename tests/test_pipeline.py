@@ -17,9 +17,17 @@ from torch.utils.data import DataLoader
 
 from lightdist.cli import main
 from lightdist.models import Llama, TokenDataModule
-from lightdist.pipeline.structural import ModelCall, balanced_split
+from lightdist.pipeline.structural import (
+    MicrobatchCalls,
+    ModelCall,
+    StageModel,
+    balanced_split,
+    keep_stages,
+    stage_ends,
+)
 from lightdist.plugins import ParallelStrategy, ProfileSteps
 from lightdist.plugins.pipeline_step import model_call_of
+from lightdist.structure import find_decoder_stack
 from lightdist.timeline import stage_spans
 
 from multirank import run_each, run_ranks, run_ranks_beside
@@ -31,6 +39,60 @@ def test_stages_balance_parameters_counting_embeddings_and_head() -> None:
     assert balanced_split([1] * 6, 2, first_extra=2) == [2, 4]  # the embeddings weigh as much as two blocks
     assert balanced_split([4, 1, 1, 1, 1], 2) == [1, 4]  # a heavy first block is a stage of its own
     assert balanced_split([4, 1, 1, 1, 1], 2, last_extra=2) == [2, 3]
+
+
+@pytest.mark.parametrize(
+    ("model", "first_stage", "last_stage"),
+    [
+        # the embeddings' norm runs before the blocks: on the first stage (it was on the last, and BLOOM trained
+        # differently from one process under a pipeline, without an error)
+        ("hf_bloom", {"word_embeddings", "word_embeddings_layernorm"}, {"ln_f", "lm_head"}),
+        # OPT registers its final norm before its blocks, LitGPT its head before its embedding: the run tells
+        ("zoo_hf_opt_labels", {"embed_tokens", "embed_positions"}, {"final_layer_norm", "lm_head"}),
+        ("zoo_litgpt", {"wte"}, {"ln_f", "lm_head"}),
+        ("zoo_nanogpt", {"wte", "wpe"}, {"ln_f", "lm_head"}),
+    ],
+)
+def test_each_module_outside_the_blocks_goes_to_the_stage_that_runs_it(
+    model: str, first_stage: set[str], last_stage: set[str]
+) -> None:
+    module = MODELS[model](learning_rate=1e-3, warmup_steps=2)
+    ends = stage_ends(module, find_decoder_stack(module))
+    assert {name.rsplit(".", 1)[-1] for name, first in ends.items() if first} == first_stage
+    assert {name.rsplit(".", 1)[-1] for name, first in ends.items() if not first} == last_stage
+
+
+class _NormedEmbeddingsLM(torch.nn.Module):
+    """Norms its embeddings before its blocks, and runs only with the targets it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.embed_norm = torch.nn.Embedding(16, 8), torch.nn.LayerNorm(8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed_norm(self.embed(tokens))
+        for block in self.blocks:
+            x = block(x)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def test_a_stage_refuses_to_compute_without_a_module_placed_on_another() -> None:
+    """Where lightdist cannot run the model to see which modules run before its blocks, only the embeddings go
+    first: the first stage then meets a stand-in for the norm, and refuses rather than train without it."""
+    model = _NormedEmbeddingsLM()
+    stack = keep_stages(model, find_decoder_stack(model), {0}, first=True, last=False)
+    first_stage = StageModel(model, stack, list(stack.blocks), first=True, last=False)
+    tokens = torch.zeros(2, 4, dtype=torch.long)
+    calls = MicrobatchCalls([ModelCall("", (tokens, tokens), {})])
+    with pytest.raises(
+        ValueError,
+        match=r"placed embed_norm \(LayerNorm\) on the last stage, but the model's forward runs "
+        r"it before its blocks",
+    ) as refused:
+        first_stage(lightdist_model_calls=calls, lightdist_microbatch=torch.zeros(1))
+    assert "(pipeline_tracer=True)" in str(refused.value)
 
 
 def test_the_model_call_is_the_first_call_of_a_module_around_the_decoder_stack() -> None:

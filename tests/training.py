@@ -370,6 +370,17 @@ MODELS = {
         zoo.HuggingFaceLabels, model_type="falcon", new_decoder_architecture=False, alibi=True, **zoo.HF_TINY
     ),
     "zoo_hf_gpt2_labels": partial(zoo.HuggingFaceLabels, **zoo.HF_TINY_GPT2),
+    # BLOOM norms its embeddings before its blocks and adds ALiBi in attention written by hand; its own config names
+    "zoo_hf_bloom_labels": partial(
+        zoo.HuggingFaceLabels,
+        model_type="bloom",
+        vocab_size=64,
+        hidden_size=64,
+        n_layer=4,
+        n_head=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    ),
     # Fine-tuning on the batches people's loaders make (LoaderBatches): the collator's dict into the model's own loss
     "zoo_hf_llama_finetuning": partial(
         zoo.HuggingFaceFineTuning, model_type="llama", num_key_value_heads=2, **zoo.HF_TINY

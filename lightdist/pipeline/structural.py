@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lightdist.dataflow import run_first_block
 from lightdist.structure import DecoderStack
 from lightdist.torch_internals import is_view
 
@@ -40,6 +41,7 @@ __all__ = [
     "grad_norm_across_stages",
     "keep_stages",
     "stage_costs",
+    "stage_ends",
     "stage_sizes",
 ]
 
@@ -73,18 +75,52 @@ def balanced_split(costs: list[int], stages: int, *, first_extra: int = 0, last_
     return sizes[::-1]
 
 
+def stage_ends(model: nn.Module, stack: DecoderStack) -> dict[str, bool]:
+    """The modules with weights of their own outside the stack, by name, each with whether the first stage holds it:
+    those the forward runs before the first block (the embeddings, BLOOM's norm of them) belong to the first stage, the
+    rest (the final norm, the head) to the last. Found by running the model up to its first block
+    (``run_first_block``), since neither a module's class nor the order it was registered in tells: OPT registers its
+    final norm before its blocks, LitGPT its head before its embedding. Where the model cannot run on zero tokens,
+    the embeddings go first, and ``StageModel`` refuses a stand-in whose output the stage would use."""
+    outside = {
+        name: module
+        for name, module in model.named_modules()
+        if name
+        and not stack.contains(name)
+        and name not in stack.enclosing
+        and any(True for _ in module.parameters(recurse=False))
+    }
+    ran: set[str] = set()
+    handles = [
+        module.register_forward_pre_hook(lambda _module, _args, name=name: ran.add(name))
+        for name, module in outside.items()
+    ]
+    try:
+        run_first_block(model, stack)
+    except RuntimeError:
+        ran = {name for name, module in outside.items() if isinstance(module, nn.Embedding)}
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: name in ran for name in outside}
+
+
 def stage_costs(model: nn.Module, stack: DecoderStack) -> tuple[list[int], int, int]:
-    """Parameters of each block, of the embeddings (on the first stage) and of the rest outside the stack (last)."""
-    ends = [(sum(p.numel() for p in m.parameters(recurse=False)), before) for _, m, before in _ends(model, stack)]
-    embeddings = sum(n for n, before_stack in ends if before_stack)
-    rest = sum(n for n, before_stack in ends if not before_stack)
-    return [sum(p.numel() for p in block.parameters()) for block in stack.blocks], embeddings, rest
+    """Parameters of each block, of the modules before the stack (on the first stage) and of those after it (last)."""
+    ends = [
+        (sum(p.numel() for p in model.get_submodule(name).parameters(recurse=False)), first)
+        for name, first in stage_ends(model, stack).items()
+    ]
+    before = sum(n for n, first in ends if first)
+    after = sum(n for n, first in ends if not first)
+    return [sum(p.numel() for p in block.parameters()) for block in stack.blocks], before, after
 
 
 def stage_sizes(model: nn.Module, stack: DecoderStack, stages: int) -> list[int]:
-    """Blocks per stage for ``model``, balanced by parameters: embeddings weigh on the first, the rest on the last."""
-    blocks, embeddings, rest = stage_costs(model, stack)
-    return balanced_split(blocks, stages, first_extra=embeddings, last_extra=rest)
+    """Blocks per stage for ``model``, balanced by parameters: the modules before the blocks weigh on the first, those
+    after on the last."""
+    blocks, before, after = stage_costs(model, stack)
+    return balanced_split(blocks, stages, first_extra=before, last_extra=after)
 
 
 class _StageBlocks(nn.ModuleList):
@@ -119,17 +155,34 @@ class _StageBlocks(nn.ModuleList):
             self._running = None
 
 
-class _EmbeddingPlaceholder(nn.Module):
+class _StandIn(nn.Module):
+    """Stands in, without weights, for a module of the model that another stage holds (``stands_for`` names it)."""
+
+    def __init__(self, stands_for: str) -> None:
+        super().__init__()
+        self.stands_for = stands_for
+
+
+class _EmbeddingPlaceholder(_StandIn):
     """An embedding on later stages: zeros of its output shape, replaced at the first block by the received input.
     Whatever else it is called with (OPT's learned positions get the attention mask and ``position_ids``) leaves
     that shape as it is."""
 
-    def __init__(self, embedding_dim: int) -> None:
-        super().__init__()
+    def __init__(self, stands_for: str, embedding_dim: int) -> None:
+        super().__init__(stands_for)
         self.embedding_dim = embedding_dim
 
     def forward(self, indices: Tensor, *args, **kwargs) -> Tensor:
         return torch.zeros(*indices.shape, self.embedding_dim, device=indices.device)
+
+
+class _PassThrough(_StandIn):
+    """Stands in for the final norm and LM head on earlier stages, which stop at their last block before reaching
+    them, and for what runs before the blocks (an embedding's norm) on later stages, whose first block takes the
+    received input instead."""
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return x
 
 
 class ModelCall(NamedTuple):
@@ -168,43 +221,47 @@ class _StageEnd(Exception):
     """Raised after an earlier stage's last block: the rest of the forward belongs to later stages."""
 
 
-class _PassThrough(nn.Module):
-    """Stands in, without weights, for the final norm and LM head on earlier stages, which stop at their last block
-    before reaching it."""
-
-    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return x
-
-
-def _ends(model: nn.Module, stack: DecoderStack) -> list[tuple[str, nn.Module, bool]]:
-    """Modules with parameters of their own outside the stack, and whether each belongs to the first stage.
-
-    Embeddings belong to the first stage; the rest (final norm, LM head) to the last.
-    """
-    return [
-        (name, module, isinstance(module, nn.Embedding))
-        for name, module in model.named_modules()
-        if name and not stack.contains(name) and any(True for _ in module.parameters(recurse=False))
-    ]
+def _held(model: nn.Module, ends: dict[str, bool], *, first: bool, last: bool) -> dict[str, nn.Module]:
+    """The modules of ``ends`` (``stage_ends``) that a rank holding the first and/or last stage holds, where the model
+    still holds them, not a stand-in."""
+    return {
+        name: model.get_submodule(name)
+        for name, before_blocks in ends.items()
+        if (first if before_blocks else last) and not isinstance(model.get_submodule(name), _StandIn)
+    }
 
 
-def _stand_in(module: nn.Module) -> nn.Module:
-    return _EmbeddingPlaceholder(module.embedding_dim) if isinstance(module, nn.Embedding) else _PassThrough()
+def _stand_in(name: str, module: nn.Module) -> _StandIn:
+    stands_for = f"{name} ({type(module).__name__})"
+    if isinstance(module, nn.Embedding):
+        return _EmbeddingPlaceholder(stands_for, module.embedding_dim)
+    return _PassThrough(stands_for)
 
 
-def keep_stages(model: nn.Module, stack: DecoderStack, blocks: set[int], *, first: bool, last: bool) -> DecoderStack:
-    """Drop from ``model`` what other ranks hold: other blocks, and the embeddings or the norm and head.
+def keep_stages(
+    model: nn.Module,
+    stack: DecoderStack,
+    blocks: set[int],
+    *,
+    first: bool,
+    last: bool,
+    ends: dict[str, bool] | None = None,
+) -> DecoderStack:
+    """Drop from ``model`` what other ranks hold: other blocks, and the modules before or after the blocks
+    (``ends``, by default ``stage_ends``).
 
     ``first``/``last``: whether this rank holds the first/last stage. Returns the rank's own stack.
     """
+    ends = stage_ends(model, stack) if ends is None else ends
+    held = _held(model, ends, first=first, last=last)
     kept = _StageBlocks()
     for index, (name, block) in enumerate(stack.blocks.named_children()):
         if index in blocks:
             kept.add_module(name, block)
     _set_submodule(model, stack.name, kept)
-    for name, module, before_stack in _ends(model, stack):
-        if not (first if before_stack else last):
-            _set_submodule(model, name, _stand_in(module))
+    for name in ends:
+        if name not in held:
+            _set_submodule(model, name, _stand_in(name, model.get_submodule(name)))
     return DecoderStack(stack.name, kept)
 
 
@@ -216,10 +273,12 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 class StageModel(nn.Module):
     """One pipeline stage of ``model``: the module torch's ``PipelineStage`` runs, and FSDP's root for its share.
 
-    It owns the stage's blocks, and the embeddings (first stage) or the final norm and LM head (last stage). Its
-    forward is the model's own: the first block takes the incoming activation (made a stream tensor by ``as_stream``:
+    It owns the stage's blocks, and the modules the forward runs before them (first stage: the embeddings) or after
+    them (last stage: the final norm and LM head), as ``ends`` (by default ``stage_ends``) says. Its forward is the
+    model's own: the first block takes the incoming activation (made a stream tensor by ``as_stream``:
     sequence-parallel DTensors travel as their local shards), the last block's output leaves. Other stages' blocks on
-    this rank sit out, and the ends another stage owns run as stand-ins without weights.
+    this rank sit out, and the ends another stage owns run as stand-ins without weights, whose output no block uses:
+    one that the first stage calls before its blocks, or the last stage after them, is refused.
     """
 
     def __init__(
@@ -231,22 +290,26 @@ class StageModel(nn.Module):
         first: bool,
         last: bool,
         as_stream: Callable[[Tensor], Tensor] | None = None,
+        ends: dict[str, bool] | None = None,
     ) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
-        ends = _ends(model, stack)
-        self.ends = nn.ModuleList(module for _, module, before_stack in ends if (first if before_stack else last))
-        self.last, self.as_stream = last, as_stream
+        ends = stage_ends(model, stack) if ends is None else ends
+        own = _held(model, ends, first=first, last=last)
+        self.ends = nn.ModuleList(own.values())
+        self.first, self.last, self.as_stream = first, last, as_stream
         # Not submodules: the stage owns only its share of the model.
         self.__dict__["model"], self.__dict__["stack"] = model, stack.blocks
-        self._stand_ins = {
-            name: _stand_in(module) for name, module, before_stack in ends if not (first if before_stack else last)
-        }
+        on_rank = _held(model, ends, first=True, last=True)  # for this rank's other stages
+        self._stand_ins = {name: _stand_in(name, module) for name, module in on_rank.items() if name not in own}
         self._incoming: Tensor | None = None
         self._outgoing: Tensor | None = None
         self._output_structure: Any = None
+        self._zone: str | None = None  # while this stage's forward runs: "before", "in" or "after" its blocks
         blocks[0].register_forward_pre_hook(self._take_incoming, with_kwargs=True)
         blocks[-1].register_forward_hook(self._keep_outgoing)
+        for stand_in in {*self._stand_ins.values(), *(m for m in model.modules() if isinstance(m, _StandIn))}:
+            stand_in.register_forward_pre_hook(self._check_unused)
         self._stop_hook_due = not last
 
     def forward(self, *incoming: Tensor, lightdist_model_calls: MicrobatchCalls, lightdist_microbatch: Tensor) -> Any:
@@ -260,13 +323,14 @@ class StageModel(nn.Module):
         self._incoming = incoming[0] if incoming else None
         call = lightdist_model_calls[lightdist_microbatch]
         called = self.model.get_submodule(call.path)
+        self._zone = "before"
         try:
             with self.stack.running(list(self.blocks)), self._standing_in():
                 output = type(called).forward(called, *call.args, **call.kwargs)
         except _StageEnd:
             output = None
         finally:
-            self._incoming = None
+            self._incoming, self._zone = None, None
         if not self.last:
             output, self._outgoing = self._outgoing, None
             if isinstance(output, DTensor):
@@ -302,6 +366,8 @@ class StageModel(nn.Module):
                 _set_submodule(self.model, name, module)
 
     def _take_incoming(self, block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self._zone is not None:  # not a recompute in backward
+            self._zone = "in"
         if self._incoming is None:
             return None
         if not args:
@@ -329,6 +395,22 @@ class StageModel(nn.Module):
                 )
             output = output[0]
         self._outgoing = output
+        if self._zone is not None:
+            self._zone = "after"
+
+    def _check_unused(self, stand_in: _StandIn, args: tuple) -> None:
+        """A stand-in's output must not reach a block: before the first stage's blocks, or after the last's, the
+        model's forward needs the module itself."""
+        if (self._zone == "before" and self.first) or (self._zone == "after" and self.last):
+            where, holder = ("before", "the last") if self._zone == "before" else ("after", "the first")
+            raise ValueError(
+                f"Pipeline parallelism placed {stand_in.stands_for} on {holder} stage, but the model's forward runs "
+                f"it {where} its blocks, on this stage, which holds a stand-in without its weights: the stage would "
+                "compute without it. lightdist places each module by running the model up to its first block, which "
+                "failed for this model. Make its forward run on a batch of token ids alone (other inputs optional), "
+                "or cut the stages with torch's tracer, which places every module where the forward runs it "
+                "(pipeline_tracer=True)."
+            )
 
 
 def _by_mesh(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
