@@ -140,7 +140,7 @@ class ContextParallel:
         self._arrivals: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
         self.attended = False
         self.shifted = False  # whether the step shifted a sequence that splits, which leaves ranks unequal tokens
-        self.loss_counts: list[Tensor] = []  # the labelled tokens of each mean cross-entropy of the step
+        self.loss_counts: list[Tensor] = []  # the tokens of each mean over tokens of the step (token_means.py)
         self._masks_read: dict[int, tuple[Tensor, Tensor | None]] = {}  # the step's masks, and their bias per key
 
     def positions(self, local_len: int, device: torch.device | None = None) -> Tensor:
@@ -226,8 +226,8 @@ class ContextParallel:
         return self._arrivals[key]
 
     def loss_tokens(self) -> Tensor | None:
-        """The tokens this rank's loss averaged over in the step: those its one mean cross-entropy labelled; ``None``
-        where it took none or several. Weigh each rank's loss by them where ranks hold unequal numbers."""
+        """The tokens this rank's loss averaged over in the step: those of its one mean over tokens (``token_means``);
+        ``None`` where it took none or several. Weigh each rank's loss by them where ranks hold unequal numbers."""
         return self.loss_counts[0] if len(self.loss_counts) == 1 else None
 
     def shift_kept_whole(self, whole: Tensor, shifted: Tensor, index: tuple) -> Tensor:
@@ -274,8 +274,8 @@ class ContextParallel:
         if self.shifted and self.loss_tokens() is None:
             raise ValueError(
                 f"context_parallel_size={self.size}: the step shifted a sequence by one, which leaves the ranks "
-                "unequal numbers of tokens, so each rank's loss is weighed by the tokens its cross-entropy labels, "
-                f"but this step computed {len(self.loss_counts)} mean F.cross_entropy losses, not one. Compute one, "
+                "unequal numbers of tokens, so each rank's loss is weighed by the tokens its mean is over, "
+                f"but this step computed {len(self.loss_counts)} means over tokens, not one. Compute one, "
                 "or feed windows of one token more than the model takes (inputs batch[:, :-1] and targets "
                 "batch[:, 1:] of a length that splits)."
             )

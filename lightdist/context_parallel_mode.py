@@ -3,7 +3,7 @@
 A ``TorchFunctionMode`` sees every torch call of the step, the model's included. Where the step has split sequences,
 it gives positions (``arange``, a table's rows, a cumulative sum of ones) as the rank's tokens', hands attention
 (``F.scaled_dot_product_attention``, or written by hand: ``attention_by_hand``) the whole sequence, keeps a causal
-LM's logits whole under its shift, counts the labelled tokens of a mean cross-entropy, and refuses what would see
+LM's logits whole under its shift, counts the tokens of the step's means (``token_means``), and refuses what would see
 the rank's share only: a reduction, shift or convolution along it. A traced pipeline stage's aten ops are read as
 the calls the model made (``traced_calls``).
 """
@@ -19,8 +19,8 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from lightdist.attention_by_hand import BY_HAND_OPS, AttentionByHand
-from lightdist.loss_tokens import IGNORE_INDEX
 from lightdist.sequence_shard import ELEMENTWISE, SequenceShard, expanded_index, unwrapped
+from lightdist.token_means import TokenMeans
 from lightdist.traced_calls import as_called, functions_of_ops
 
 if TYPE_CHECKING:
@@ -44,8 +44,6 @@ TRACED_CALLS = functions_of_ops(
     _OVER_A_DIMENSION | _MIXING_POSITIONS | BY_HAND_OPS | {torch.arange, F.scaled_dot_product_attention}
 )
 
-_MEAN_LOSSES = (F.cross_entropy, F.nll_loss)
-
 
 class ContextParallelMode(TorchFunctionMode):
     """Gives the split sequences' positions and attention to whatever model code runs under it."""
@@ -55,6 +53,7 @@ class ContextParallelMode(TorchFunctionMode):
         self.cp = cp
         self.buffers = {id(buffer) for buffer in cp.module.buffers()}
         self.by_hand = AttentionByHand(cp)
+        self.token_means = TokenMeans(cp)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -65,20 +64,20 @@ class ContextParallelMode(TorchFunctionMode):
             positions = None
             if func is torch.arange:
                 positions = self._arange_positions(args, kwargs)
-            elif func is Tensor.__getitem__ and id(args[0]) in self.buffers:
+            elif func is Tensor.__getitem__ and self._is_table(args[0]):
                 positions = self._table_rows(args[0], args[1])
-            elif func is Tensor.__getitem__ and (shift := _shift_of_a_share(*args[:2], self.cp.local_lengths)):
+            elif func is Tensor.__getitem__ and (shift := _shift_of_a_share(*args[:2], self.cp.split_shapes)):
                 return self._shifted_share(args[0], shift)
             elif func in _OVER_A_DIMENSION and self._along_a_share(func, args, kwargs):
                 return self._positions_counted(func, args, kwargs)
             elif func in _MIXING_POSITIONS and self._mixes_a_share(func, args, kwargs):
                 raise self._mixing_refused(func, args[0])
-            elif func in BY_HAND_OPS and (out := self.by_hand(func, args, kwargs)) is not NotImplemented:
+            elif (func in BY_HAND_OPS and (out := self.by_hand(func, args, kwargs)) is not NotImplemented) or (
+                func in TokenMeans.OPS and (out := self.token_means(func, args, kwargs)) is not NotImplemented
+            ):
                 return out
             if positions is not None:
                 return positions
-            if func in _MEAN_LOSSES and len(args) == 2 and kwargs.get("reduction", "mean") == "mean":
-                return self._counted_loss(func, args, kwargs)
         return func(*args, **kwargs)
 
     def _shifted_share(self, share: Tensor, dropped: str) -> Tensor:
@@ -103,7 +102,7 @@ class ContextParallelMode(TorchFunctionMode):
             return False
         if isinstance(tensor, SequenceShard) and func in ELEMENTWISE:
             return False
-        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        dim = kwargs.get("dim", kwargs.get("axis", args[1] if len(args) > 1 else None))
         dims = dim if isinstance(dim, tuple | list) else (dim,)
         if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
             return False  # over every dimension, or not a dimension (torch.max(a, b), var(unbiased))
@@ -158,13 +157,6 @@ class ContextParallelMode(TorchFunctionMode):
             "context_parallel_size=1."
         )
 
-    def _counted_loss(self, func: Any, args: tuple, kwargs: dict) -> Tensor:
-        """A mean cross-entropy, whose labelled tokens weigh this rank's loss where ranks hold unequal numbers."""
-        target = args[1]
-        if not target.is_floating_point():  # class indices, not probabilities
-            self.cp.loss_counts.append((target != kwargs.get("ignore_index", IGNORE_INDEX)).sum())
-        return func(*args, **kwargs)
-
     def _arange_positions(self, args: tuple, kwargs: dict) -> Tensor | None:
         """``torch.arange(start, start + local length)``: the positions of this rank's tokens, from ``start``."""
         numbers = [int(a) if isinstance(a, Tensor) else a for a in args]
@@ -175,28 +167,51 @@ class ContextParallelMode(TorchFunctionMode):
             return None
         return (self.cp.positions(end - start, kwargs.get("device")) + start).to(kwargs.get("dtype") or torch.int64)
 
+    def _is_table(self, tensor: Any) -> bool:
+        """A buffer of the model, or a parameter whose rows follow one or more dimensions of one (a learned
+        ``pos_emb`` of shape (1, positions, width)): what positions may index."""
+        if id(tensor) in self.buffers:
+            return True
+        return isinstance(tensor, nn.Parameter) and tensor.dim() >= 2 and tensor.size(0) == 1
+
     def _table_rows(self, table: Tensor, index: Any) -> Tensor | None:
-        """``table[:local length]`` of a buffer with a row per position (a rotary table): this rank's tokens' rows."""
-        if not isinstance(index, slice) or index.start not in (None, 0) or index.step not in (None, 1):
+        """``table[:local length]`` along one dimension, the others whole (a rotary table's ``cos[:T]``, a learned
+        ``pos_emb[:, :T, :]``): this rank's tokens' rows."""
+        index = expanded_index(index, table.dim())
+        cut = [d for d, i in enumerate(index) if i != slice(None)]
+        if len(cut) != 1 or not isinstance(index[cut[0]], slice):
             return None
-        if index.stop not in self.cp.local_lengths or table.size(0) < index.stop * self.cp.size:
+        dim, rows = cut[0], index[cut[0]]
+        if rows.start not in (None, 0) or rows.step not in (None, 1) or rows.stop not in self.cp.local_lengths:
             return None
-        return table.index_select(0, self.cp.positions(index.stop, table.device))
+        if table.size(dim) < rows.stop * self.cp.size or (dim == 0 and isinstance(table, nn.Parameter)):
+            return None
+        return table.index_select(dim, self.cp.positions(rows.stop, table.device))
 
 
-def _shift_of_a_share(tensor: Tensor, index: Any, local_lengths: set[int]) -> Literal["first", "last"] | None:
-    """Which end ``tensor[index]`` drops, where ``tensor`` holds this rank's share of sequences (batch, positions,
-    ...) and ``index`` drops one position of each, as a shift by one does; ``None`` for any other index."""
-    if isinstance(tensor, SequenceShard) or tensor.dim() < 2 or tensor.size(1) not in local_lengths:
+def _shift_of_a_share(
+    tensor: Tensor, index: Any, split_shapes: set[tuple[int, int]]
+) -> Literal["first", "last"] | None:
+    """Which end ``tensor[index]`` drops, where ``tensor`` holds this rank's share of sequences, (batch, positions,
+    ...) or flattened (batch x positions, ...), and ``index`` drops one position of each, or of the flattened ones,
+    as a shift by one does; ``None`` for any other index."""
+    if isinstance(tensor, SequenceShard) or tensor.dim() == 0:
         return None
-    batch, sequence, *rest = expanded_index(index, tensor.dim())
-    if batch != slice(None) or not isinstance(sequence, slice) or sequence.step not in (None, 1):
+    index = expanded_index(index, tensor.dim())
+    if tensor.dim() >= 2 and tensor.size(1) in {length for _, length in split_shapes} and index[0] == slice(None):
+        dim = 1  # along each sequence
+    elif tensor.size(0) in {batch * length for batch, length in split_shapes}:
+        dim = 0  # along the flattened sequences
+    else:
         return None
-    if any(i != slice(None) for i in rest):
+    positions, length = index[dim], tensor.size(dim)
+    if not isinstance(positions, slice) or positions.step not in (None, 1):
         return None
-    if sequence.start in (None, 0) and sequence.stop in (-1, tensor.size(1) - 1):
+    if any(i != slice(None) for i in index[dim + 1 :]):
+        return None
+    if positions.start in (None, 0) and positions.stop in (-1, length - 1):
         return "last"
-    return "first" if sequence.start == 1 and sequence.stop in (None, tensor.size(1)) else None
+    return "first" if positions.start == 1 and positions.stop in (None, length) else None
 
 
 def shares_into_tensor_parallel_modules(module: nn.Module, args: tuple) -> tuple | None:

@@ -9,11 +9,12 @@ loads the sharded checkpoints.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
+import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -24,7 +25,6 @@ from typing_extensions import override
 from lightdist.activation_checkpointing import ActivationCheckpointing
 from lightdist.async_checkpoint import AsyncMode
 from lightdist.context_parallel import ContextParallelMethod
-from lightdist.loss_parallel import vocab_parallel_cross_entropy
 from lightdist.parallelize import ModelHolder, ParallelConfig, materialize, parallelize
 from lightdist.pipeline.schedules import PipelineSchedule
 from lightdist.pipeline.traced import share_model_buffers
@@ -37,6 +37,7 @@ from lightdist.plugins.non_finite import NonFiniteGuard, NonFinitePolicy, NonFin
 from lightdist.plugins.options import validate_options
 from lightdist.plugins.pipeline_step import PipelineStep, example_model_call, pipeline_step_over
 from lightdist.plugins.run_header import announce_run
+from lightdist.plugins.steps import Steps
 from lightdist.plugins.strategy_names import STRATEGY_NAMES
 from lightdist.plugins.token_weights import TokenWeights
 from lightdist.pretrained import PretrainedLoad, PretrainedWeights, check_pretrained, load_pretrained
@@ -145,6 +146,7 @@ class ParallelStrategy(CheckpointingStrategy):
         self._non_finite = NonFiniteGuard(non_finite)
         self.pipeline_step: PipelineStep | None = None  # runs this rank's pipeline stages; its clock times the bubble
         self._token_weights: TokenWeights | None = None
+        self.steps: Steps | None = None  # how each of Lightning's steps runs on this layout
         self.gradient_norm: GradientNorm | None = None  # of the whole model, over every shard and stage
         self._pretrained = PretrainedWeights(pretrained, pretrained_prefix) if type(pretrained) is str else pretrained
         self.pretrained_load: PretrainedLoad | None = None  # what this rank read of the pretrained weights
@@ -210,6 +212,15 @@ class ParallelStrategy(CheckpointingStrategy):
             self.pipeline_step = pipeline_step_over(
                 module, self._parallelized, self.device_mesh, config, self._token_weights, self._collective_timeout
             )
+        self.steps = Steps(
+            module,
+            self._parallelized.model,
+            self._token_weights,
+            context_parallel=self.context_parallel,
+            pipelined=self.pipeline_step is not None,
+            loss_parallel=config.loss_parallel and self.layout.tp > 1,
+            compute_dtype=config.param_dtype or torch.float32,
+        )
         return self._parallelized.model
 
     @override
@@ -240,41 +251,20 @@ class ParallelStrategy(CheckpointingStrategy):
         return self.context_parallel.whole_sequences(output) if self.context_parallel else output
 
     def _step(self, name: str, lightning_step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Lightning's step ``name``, or under a pipeline the schedule's run of it, weighed by its labelled tokens."""
-        args = (self.context_parallel.shard_batch(args[0]), *args[1:]) if self.context_parallel else args
-        run = partial(lightning_step, *args, **kwargs)
-        if self.pipeline_step is not None:
-            run = partial(self.pipeline_step.run, name, *args[:2], self.optimizers, self.precision_plugin)
-        with self._loss_context():
-            return self._token_weights.step(name, args[0], run)
+        """Lightning's step ``name``, or under a pipeline the schedule's run of it (``steps.py``)."""
+        if self.pipeline_step is None:
+            return self.steps.run(name, lambda batch: lightning_step(batch, *args[1:], **kwargs), args[0])
+        run = partial(self.pipeline_step.run, name, optimizers=self.optimizers, precision=self.precision_plugin)
+        return self.steps.run(name, lambda batch: run(batch, args[1]), args[0])
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        with self._loss_context():
+        with self.steps.loss_context():
             return super().backward(self._token_weights.for_backward(closure_loss), optimizer, *args, **kwargs)
 
-    def _loss_context(self) -> ExitStack:
-        """Context parallelism's positions and attention, and the loss of logits split by vocabulary, as asked."""
-        stack = ExitStack()
-        if self.context_parallel is not None:
-            stack.enter_context(self.context_parallel.active())
-        if self._config.loss_parallel and self.layout.tp > 1:
-            stack.enter_context(vocab_parallel_cross_entropy())
-        return stack
-
-    @contextmanager
     @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip the gradient reduction on the non-final steps of gradient accumulation; under a pipeline the schedule
-        reduces the gradients once, after each batch's last microbatch."""
-        if self.pipeline_step is not None:
-            yield
-            return
-        self.model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.model.set_requires_gradient_sync(True)
+    def block_backward_sync(self) -> AbstractContextManager:
+        return self.steps.gradients_held()
 
     @override
     def optimizer_step(

@@ -75,15 +75,15 @@ class TokenWeights:
             output = run()
         share, _, _ = self._share(batch)
         for name, value, options in deferred:
-            self.module.log(name, value * share, **options)
+            self.module.log(name, _weighed(value, share), **options)
         self._called = None
         if step_name != "training_step" or not self.module.automatic_optimization:
             return output
         if self._backward_scale is None:
             self._join_accumulation(batch)
         if isinstance(output, Mapping) and "loss" in output:
-            return {**output, "loss": output["loss"] * share}
-        return output * share if isinstance(output, Tensor) else output
+            return {**output, "loss": _weighed(output["loss"], share)}
+        return _weighed(output, share) if isinstance(output, Tensor) else output
 
     def count(self, tokens: Tensor | int | None) -> None:
         """This rank's batch covers ``tokens`` labelled tokens (``None``: it cannot tell)."""
@@ -127,13 +127,7 @@ class TokenWeights:
         count its own: one all-reduce over the data-parallel ranks a step."""
         if self._shared is not None:
             return self._shared
-        tokens = self._tokens
-        if tokens is None and hasattr(self.module, "loss_tokens"):
-            tokens = self.module.loss_tokens(batch)
-        elif tokens is None and self._called is not None and len(self._called) == 1:
-            tokens = self._called[0]
-        elif tokens is None and self.context_parallel is not None:
-            tokens = self.context_parallel.loss_tokens()
+        tokens = self._own_tokens(batch)
         own = torch.as_tensor(0 if tokens is None else tokens, device=self.device).float()
         counts = torch.stack([own, torch.tensor(float(tokens is None), device=self.device)])
         if self.ranks > 1:
@@ -142,6 +136,25 @@ class TokenWeights:
         share = torch.where(unknown | (total == 0), 1.0, own * self.ranks / total.clamp(min=1))
         self._shared = (share, total, unknown)
         return self._shared
+
+    def counted(self, batch: Any, run: Callable[[], Any]) -> tuple[Any, Tensor | int | None]:
+        """``run``'s output, a step on ``batch``, and this rank's labelled tokens in it, counted as ``step`` counts
+        them (``None``: it cannot tell); nothing weighed or reduced."""
+        self._tokens, self._called = None, []
+        try:
+            output = run()
+            return output, self._own_tokens(batch)
+        finally:
+            self._called = None
+
+    def _own_tokens(self, batch: Any) -> Tensor | int | None:
+        if self._tokens is not None:
+            return self._tokens
+        if hasattr(self.module, "loss_tokens"):
+            return self.module.loss_tokens(batch)
+        if self._called is not None and len(self._called) == 1:
+            return self._called[0]
+        return None if self.context_parallel is None else self.context_parallel.loss_tokens()
 
     def _count_call(self, model: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         """A call with labels (not the base model's call inside it) counts its labelled tokens."""
@@ -163,6 +176,12 @@ class TokenWeights:
 
         with logging_to(self.module, log_or_defer):
             yield
+
+
+def _weighed(value: Tensor | float, share: Tensor) -> Tensor:
+    """``value`` times ``share``; 0 where the share is 0: a rank that holds no labelled token (the answer in another
+    rank's share of the sequence), whose mean over none is NaN."""
+    return torch.where(share == 0, 0.0, value * share)
 
 
 @contextmanager

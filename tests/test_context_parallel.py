@@ -425,7 +425,7 @@ def test_what_cannot_be_split_is_refused_with_the_way_out(plain_loop: dict) -> N
     assert "3 query and 3 key/value heads (per tensor-parallel rank) do not divide" in errors["heads_do_not_divide"]
     assert "joins a batch's sequences to tensors of its own" in errors["labels_joined"]
     assert "with or without a column of -100 joined after it, as torchtune does" in errors["labels_joined"]
-    assert "this step computed 2 mean F.cross_entropy losses, not one" in errors["two_losses_of_a_shift"]
+    assert "this step computed 2 means over tokens, not one" in errors["two_losses_of_a_shift"]
     assert "shifts a tensor that holds this rank's share of each sequence ((2, 20), the last" in errors["share_shifted"]
     assert "Shift the batch's own tensors first" in errors["share_shifted"]
     assert "a pipeline weighs its microbatches before their loss" in errors["shift_in_a_pipeline"]

@@ -1,0 +1,147 @@
+"""Each of Lightning's steps as ``ParallelStrategy`` runs it, and the backward that follows a training step.
+
+A step runs on the rank's batch, or under context parallelism on its share of each of the batch's sequences (after
+the step of each kind has shown, at its first run, that it computes the whole sequences' loss and gradients that way:
+``lightdist.context_parallel_check``), under a pipeline through the schedule; its loss is weighed by its labelled
+tokens (``token_weights.py``), and computed under loss parallelism where asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from functools import partial
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
+
+from lightdist.context_parallel import ContextParallel
+from lightdist.context_parallel_check import check_split_step, parameters_of, probe_prefix, tolerance
+from lightdist.loss_parallel import vocab_parallel_cross_entropy
+from lightdist.plugins.metric_sync import load_metric_states, metric_states, metrics_of
+from lightdist.plugins.token_weights import TokenWeights, logging_to
+
+__all__ = ["Steps"]
+
+
+class Steps:
+    """Runs ``module``'s steps on ``model`` (the FSDP root that holds it), each weighed by ``token_weights``.
+
+    Args:
+        context_parallel: Splits each sequence of a step's batch over its ranks, where given.
+        pipelined: Whether a pipeline's schedule runs the steps (it reduces gradients itself).
+        loss_parallel: Whether the step's cross-entropy takes logits split by vocabulary.
+        compute_dtype: What the step computes in, which bounds the rounding a check of the split allows.
+    """
+
+    def __init__(
+        self,
+        module: LightningModule,
+        model: FSDPModule,
+        token_weights: TokenWeights,
+        *,
+        context_parallel: ContextParallel | None,
+        pipelined: bool,
+        loss_parallel: bool,
+        compute_dtype: torch.dtype,
+    ) -> None:
+        self.module, self.model, self.token_weights = module, model, token_weights
+        self.context_parallel, self.pipelined, self.loss_parallel = context_parallel, pipelined, loss_parallel
+        self._rtol = tolerance(compute_dtype)
+        checked = context_parallel is not None and not pipelined
+        self._unchecked = {"training_step", "validation_step", "test_step"} if checked else set()
+        self._gradient_sync = True
+
+    def run(self, name: str, step: Callable[[Any], Any], batch: Any) -> Any:
+        """Lightning's step ``name``, which ``step`` runs on a batch, on ``batch``."""
+        if self.context_parallel is not None:
+            if name in self._unchecked:
+                self._unchecked.discard(name)
+                self._check(name, step, batch)
+            batch = self.context_parallel.shard_batch(batch)
+        with self.loss_context():
+            return self.token_weights.step(name, batch, partial(step, batch))
+
+    def loss_context(self, *, split: bool = True) -> ExitStack:
+        """What a step's loss and its backward run under: context parallelism's positions and attention (where
+        ``split``), and the loss of logits split by vocabulary, as asked."""
+        stack = ExitStack()
+        if split and self.context_parallel is not None:
+            stack.enter_context(self.context_parallel.active())
+        if self.loss_parallel:
+            stack.enter_context(vocab_parallel_cross_entropy())
+        return stack
+
+    @contextmanager
+    def gradients_held(self) -> Iterator[None]:
+        """Gradients kept on each rank, not reduced, through the non-final batches of an accumulation; under a
+        pipeline the schedule reduces them once, after each batch's last microbatch."""
+        if self.pipelined:
+            yield
+            return
+        self.model.set_requires_gradient_sync(False)
+        self._gradient_sync = False
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+            self._gradient_sync = True
+
+    def _check(self, name: str, step: Callable[[Any], Any], batch: Any) -> None:
+        """Step ``name`` on a prefix of ``batch``, whole and split over the context-parallel ranks, must compute the
+        same loss and gradients. Run as an evaluation (dropout off), logging nothing, with the random state, the
+        metrics' states and the gradients as they were found."""
+
+        def counted(batch: Any) -> tuple[Tensor | None, Tensor | int | None]:
+            output, tokens = self.token_weights.counted(batch, partial(step, batch))
+            return _loss_in(output), tokens
+
+        trains = name == "training_step" and self.module.automatic_optimization
+        if name == "training_step" and not trains:
+            return  # a manual step steps its optimizers: it cannot run twice unseen
+        with _unseen(self.module), self._synced():
+            check_split_step(
+                self.context_parallel,
+                counted,
+                probe_prefix(batch, self.context_parallel.size),
+                parameters_of(self.module) if trains else None,
+                rtol=self._rtol,
+                step_name=f"{type(self.module).__name__}.{name}",
+                around=partial(self.loss_context, split=False),
+            )
+
+    @contextmanager
+    def _synced(self) -> Iterator[None]:
+        """The check's gradients reduced, within an accumulation too."""
+        self.model.set_requires_gradient_sync(True)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(self._gradient_sync)
+
+
+def _loss_in(output: Any) -> Tensor | None:
+    if isinstance(output, Mapping):
+        output = output.get("loss")
+    return output if isinstance(output, Tensor) and output.dim() == 0 else None
+
+
+@contextmanager
+def _unseen(module: LightningModule) -> Iterator[None]:
+    """Within, ``module`` runs as an evaluation (dropout off) and logs nothing; after, its modules' modes, its
+    metrics' states and the random state are as before."""
+    modes = {submodule: submodule.training for submodule in module.modules()}
+    metrics = metrics_of(module)
+    states = metric_states(metrics)
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    module.eval()
+    try:
+        with torch.random.fork_rng(devices=devices), logging_to(module, lambda *args, **kwargs: None):
+            yield
+    finally:
+        for submodule, training in modes.items():
+            submodule.training = training
+        load_metric_states(metrics, states)
