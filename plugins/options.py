@@ -11,6 +11,7 @@ from lightdist.parallelize import ParallelConfig
 from lightdist.pipeline.schedules import check_microbatch_rounds
 from lightdist.plugins.auto_layout import LayoutRequest
 from lightdist.plugins.non_finite import NonFinitePolicy
+from lightdist.plugins.token_weights import LossWeighting
 from lightdist.storage import reject_credentials
 
 __all__ = ["validate_options"]
@@ -21,6 +22,7 @@ def validate_options(
     config: ParallelConfig,
     async_checkpoint: str | None,
     storage_options: Any,
+    loss_weighting: str,
     non_finite: str | None,
     collective_timeout: float,
 ) -> None:
@@ -41,6 +43,11 @@ def validate_options(
         reject_credentials(storage_options)
     if not isinstance(collective_timeout, int | float) or collective_timeout <= 0:
         raise ValueError(f"collective_timeout={collective_timeout!r} must be a positive number of seconds.")
+    if loss_weighting not in LossWeighting.__args__:
+        raise ValueError(
+            f"loss_weighting={loss_weighting!r} is not one of 'tokens' (batches weigh by their labelled tokens, as "
+            "one process's mean over the global batch) or 'batches' (each batch's mean alike, as Lightning does)."
+        )
     if non_finite not in (None, *NonFinitePolicy.__args__):
         raise ValueError(
             f"non_finite={non_finite!r} is not one of 'skip' (leave the weights as they were), 'rollback' (load the "

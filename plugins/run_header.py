@@ -14,6 +14,7 @@ from lightdist.expert_parallel import find_experts
 from lightdist.parallelize import ParallelConfig
 from lightdist.planner import Estimate, GiB
 from lightdist.plugins.auto_layout import planned_layout
+from lightdist.plugins.token_weights import weighing_rule
 from lightdist.tensor_parallel import model_attention_heads
 
 if TYPE_CHECKING:
@@ -74,6 +75,8 @@ def run_header(
         split.append(f"{run['activation_checkpointing']} activation checkpointing")
     if split:
         lines.append("  " + ", ".join(split))
+    if layout.dp > 1 or trainer.accumulate_grad_batches > 1:  # where batches weigh against each other
+        lines.append("  " + weighing_rule(module, strategy.run_config["loss_weighting"], cp=layout.cp))
     lines += _memory(estimate, why_not) + _destinations(trainer, strategy)
     return "\n".join(lines)
 

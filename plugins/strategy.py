@@ -39,7 +39,7 @@ from lightdist.plugins.pipeline_step import PipelineStep, example_model_call, pi
 from lightdist.plugins.run_header import announce_run
 from lightdist.plugins.steps import Steps
 from lightdist.plugins.strategy_names import STRATEGY_NAMES
-from lightdist.plugins.token_weights import TokenWeights
+from lightdist.plugins.token_weights import LossWeighting, TokenWeights
 from lightdist.pretrained import PretrainedLoad, PretrainedWeights, check_pretrained, load_pretrained
 from lightdist.sharding import ShardedOptimizer, ZeroStage, optimizer_states_to, step_mixed_meshes_per_tensor
 from lightdist.storage import configure, resolve
@@ -80,6 +80,9 @@ class ParallelStrategy(CheckpointingStrategy):
         storage_options: fsspec options per protocol for checkpoint URLs, e.g. ``{"s3": {"endpoint_url": ...,
             "profile": "training", "client_kwargs": {"region_name": "eu-west-1"}}}``; they become fsspec's
             configuration in this process. Credentials are refused: they would be saved with the config.
+        loss_weighting: How batches weigh against each other across data-parallel ranks and an accumulation:
+            ``"tokens"``, by their labelled tokens, where lightdist can count them (the global batch's mean, as one
+            process computes it); ``"batches"``, each its own mean alike, as Lightning does (``token_weights.py``).
         non_finite: What a step whose gradient norm is not finite (over every shard and stage) does: ``"skip"``
             it, ``"rollback"`` to the newest complete checkpoint, or ``"stop"`` the run (``plugins/non_finite.py``
             says how each works); ``None`` (default) checks nothing. Each event is counted in
@@ -116,6 +119,7 @@ class ParallelStrategy(CheckpointingStrategy):
         pretrained: str | PretrainedWeights | None = None,
         pretrained_prefix: str = "",
         storage_options: dict[str, dict[str, Any]] | None = None,
+        loss_weighting: LossWeighting = "tokens",
         non_finite: NonFinitePolicy | None = None,
         collective_timeout: float = 1800.0,
         process_group_backend: str | None = None,
@@ -138,15 +142,17 @@ class ParallelStrategy(CheckpointingStrategy):
             expert_parallel_size=expert_parallel_size,
             context_parallel_method=context_parallel_method,
         )
-        validate_options(sizes, config, async_checkpoint, storage_options, non_finite, collective_timeout)
+        validate_options(
+            sizes, config, async_checkpoint, storage_options, loss_weighting, non_finite, collective_timeout
+        )
         super().__init__(sizes, config, collective_timeout, process_group_backend, async_checkpoint)
         # Applied now: Lightning looks for ckpt_path="last" before any strategy hook runs. Every rank's process builds
         # the strategy (the script runs in each, under torchrun and Lightning's launcher alike).
         configure(storage_options or {})
         self._non_finite = NonFiniteGuard(non_finite)
         self.pipeline_step: PipelineStep | None = None  # runs this rank's pipeline stages; its clock times the bubble
-        self._token_weights: TokenWeights | None = None
-        self.steps: Steps | None = None  # how each of Lightning's steps runs on this layout
+        self._loss_weighting = loss_weighting
+        self.steps: Steps | None = None  # how each of Lightning's steps runs on this layout, weighed by its tokens
         self.gradient_norm: GradientNorm | None = None  # of the whole model, over every shard and stage
         self._pretrained = PretrainedWeights(pretrained, pretrained_prefix) if type(pretrained) is str else pretrained
         self.pretrained_load: PretrainedLoad | None = None  # what this rank read of the pretrained weights
@@ -193,13 +199,13 @@ class ParallelStrategy(CheckpointingStrategy):
     def run_config(self) -> dict[str, Any]:
         """The layout this run trains under, as its loggers record it (W&B's run config, hparams.yaml)."""
         precision = self.precision_plugin.precision
-        return self._config.as_run(self.layout) | {"non_finite": self._non_finite.policy, "precision": precision}
+        run = {"loss_weighting": self._loss_weighting, "non_finite": self._non_finite.policy, "precision": precision}
+        return self._config.as_run(self.layout) | run
 
     def _parallelize(self, module: pl.LightningModule) -> ModelHolder:
         """Split the LightningModule over the mesh (``lightdist.parallelize``); under a pipeline, run its steps
         through the schedule."""
         config = self._config.with_precision(self.precision_plugin.precision)
-        self._token_weights = TokenWeights(module, self.device_mesh, self.root_device, self.context_parallel)
         self._parallelized = parallelize(
             module,
             self.device_mesh,
@@ -208,19 +214,19 @@ class ParallelStrategy(CheckpointingStrategy):
             example_call=partial(example_model_call, module, config.microbatches_run(self.layout.pp)),
             report=rank_zero_info,
         )
-        if self._parallelized.stages:
-            self.pipeline_step = pipeline_step_over(
-                module, self._parallelized, self.device_mesh, config, self._token_weights, self._collective_timeout
-            )
         self.steps = Steps(
             module,
             self._parallelized.model,
-            self._token_weights,
+            TokenWeights(module, self.device_mesh, self.root_device, self.context_parallel, self._loss_weighting),
             context_parallel=self.context_parallel,
-            pipelined=self.pipeline_step is not None,
+            pipelined=bool(self._parallelized.stages),
             loss_parallel=config.loss_parallel and self.layout.tp > 1,
             compute_dtype=config.param_dtype or torch.float32,
         )
+        if self._parallelized.stages:
+            self.pipeline_step = pipeline_step_over(
+                module, self._parallelized, self.device_mesh, config, self.steps.token_weights, self._collective_timeout
+            )
         return self._parallelized.model
 
     @override
@@ -260,7 +266,7 @@ class ParallelStrategy(CheckpointingStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         with self.steps.loss_context():
-            return super().backward(self._token_weights.for_backward(closure_loss), optimizer, *args, **kwargs)
+            return super().backward(self.steps.token_weights.for_backward(closure_loss), optimizer, *args, **kwargs)
 
     @override
     def block_backward_sync(self) -> AbstractContextManager:
@@ -275,7 +281,7 @@ class ParallelStrategy(CheckpointingStrategy):
 
         def closure_then_wait_for_staging() -> Any:
             loss = closure()
-            self._token_weights.scale_gradients(optimizer, self.lightning_module.trainer.accumulate_grad_batches)
+            self.steps.token_weights.scale_gradients(optimizer, self.lightning_module.trainer.accumulate_grad_batches)
             self._non_finite.check(lambda: self.gradient_norm(optimizer), loss, self.lightning_module)
             self.checkpoint_io.wait_for_staging()
             return loss

@@ -15,14 +15,18 @@ them, as Megatron and transformers' ``num_items_in_batch`` do:
   batch (which keeps the scale of an unweighted loss). Once the accumulation's last batch has run, the gradients are
   scaled once, so that the optimizer steps on the gradient of the mean over every token the accumulation saw.
 
-Where a rank cannot count a batch's tokens, the ranks' batches weigh alike, as Lightning weighs them.
+Where a rank cannot count a batch's tokens, the ranks' batches weigh alike, as Lightning weighs them. With
+``LossWeighting`` ``"batches"``, data-parallel ranks' batches and accumulated batches weigh alike too, each its own
+mean, as Lightning's DDP and accumulation weigh them, where a run is compared with one trained by Lightning alone; the
+pieces of one batch (a pipeline's microbatches, context parallelism's shares of its sequences) still weigh by their
+tokens, so that a batch's loss is the one its step computes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -34,9 +38,10 @@ from torch.optim import Optimizer
 from lightdist.context_parallel import ContextParallel
 from lightdist.loss_tokens import is_causal_lm, labelled_tokens
 
-__all__ = ["TokenWeights", "logging_to"]
+__all__ = ["LossWeighting", "TokenWeights", "logging_to", "weighing_rule"]
 
 _MEANS = ("mean", torch.mean)
+LossWeighting = Literal["tokens", "batches"]
 
 
 class TokenWeights:
@@ -50,11 +55,17 @@ class TokenWeights:
         mesh: DeviceMesh,
         device: torch.device,
         context_parallel: ContextParallel | None = None,
+        weighing: LossWeighting = "tokens",
     ) -> None:
-        self.module, self.group, self.device = module, mesh["dp"].get_group(), device
-        self.ranks, self.context_parallel = mesh["dp"].size(), context_parallel
+        self.module, self.device, self.context_parallel = module, device, context_parallel
+        self.batches_alike = weighing == "batches"
+        if self.batches_alike:  # only a batch's shares of its sequences weigh by their tokens
+            self.group = context_parallel.group if context_parallel else None
+            self.ranks = context_parallel.size if context_parallel else 1
+        else:
+            self.group, self.ranks = mesh["dp"].get_group(), mesh["dp"].size()
         causal_lms = [model for model in module.modules() if is_causal_lm(model)]
-        self.countable = hasattr(module, "loss_tokens") or bool(causal_lms) or context_parallel is not None
+        self.countable = _countable(module, split=context_parallel is not None)
         self._tokens: Tensor | int | None = None  # this rank's count for the step, once known
         self._called: list[Tensor] | None = None  # while a step runs: the labelled tokens of each call with labels
         self._shared: tuple[Tensor, Tensor, Tensor] | None = None  # the step's share, global tokens, unknown
@@ -106,7 +117,7 @@ class TokenWeights:
         """Once the accumulation's last backward has run: scale the gradients from the weights backward used to the
         mean over the accumulation's tokens. Lightning divided each batch's loss by ``accumulate``."""
         window, self._window, self._backward_scale = self._window, [], None
-        if not window or (len(window) == 1 and accumulate == 1):
+        if not window or (len(window) == 1 and accumulate == 1) or self.batches_alike:
             return  # one batch: its weight in backward was its share already
         tokens, unknown = (torch.stack(column) for column in zip(*window, strict=True))
         scale = torch.where(unknown.any(), 1.0, tokens[0] * accumulate / tokens.sum().clamp(min=1))
@@ -117,6 +128,7 @@ class TokenWeights:
 
     def _join_accumulation(self, batch: Any) -> Tensor:
         _, tokens, unknown = self._share(batch)
+        unknown = unknown | self.batches_alike
         self._window.append((tokens, unknown))
         first = self._window[0][0]
         self._backward_scale = torch.where(unknown, 1.0, tokens / first.clamp(min=1))
@@ -124,7 +136,8 @@ class TokenWeights:
 
     def _share(self, batch: Any) -> tuple[Tensor, Tensor, Tensor]:
         """This rank's share of the global batch's loss, the global batch's tokens, and whether some rank could not
-        count its own: one all-reduce over the data-parallel ranks a step."""
+        count its own: one all-reduce a step, over the ranks whose batches weigh by their tokens (the data-parallel
+        ranks; with batches alike, a batch's context-parallel ranks)."""
         if self._shared is not None:
             return self._shared
         tokens = self._own_tokens(batch)
@@ -176,6 +189,22 @@ class TokenWeights:
 
         with logging_to(self.module, log_or_defer):
             yield
+
+
+def _countable(module: LightningModule, *, split: bool) -> bool:
+    """Whether a step's tokens can be counted: from a Hugging Face model's labels, the module's ``loss_tokens``, or
+    where sequences are ``split``, the step's mean over tokens (``token_means``)."""
+    return hasattr(module, "loss_tokens") or any(is_causal_lm(model) for model in module.modules()) or split
+
+
+def weighing_rule(module: LightningModule, weighing: LossWeighting, *, cp: int) -> str:
+    """How ``module``'s batches weigh against each other, across data-parallel ranks and an accumulation: the line a
+    run's header says it in."""
+    if weighing == "batches":
+        return "batches weigh alike, each its own mean, as Lightning's (loss_weighting='batches')"
+    if not _countable(module, split=cp > 1):
+        return "batches weigh alike, as Lightning's: the step's tokens are not counted (loss_tokens(batch) counts them)"
+    return "batches weigh by their labelled tokens, as one process's mean over the global batch does"
 
 
 def _weighed(value: Tensor | float, share: Tensor) -> Tensor:

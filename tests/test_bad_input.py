@@ -73,6 +73,7 @@ def test_under_torchrun_the_error_names_the_launchers_world_size(monkeypatch: py
         (dict(pipeline_parallel_size="four"), r"pipeline_parallel_size='four' must be a positive integer or 'auto'"),
         (dict(virtual_stages=2), r"pipeline_schedule='1f1b' runs one stage per rank, but virtual_stages=2. Use"),
         (dict(async_checkpoint="daemon"), r"async_checkpoint='daemon' is not one of 'process' \(upload from a daemon"),
+        (dict(loss_weighting="examples"), r"loss_weighting='examples' is not one of 'tokens' \(batches weigh by"),
         (
             dict(storage_options={"s3": {"profile": "training", "secret": "abc"}}),
             r"storage_options\['s3'\]\['secret'\] is a credential, .* saved with the run's config .* a profile",

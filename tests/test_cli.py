@@ -76,12 +76,16 @@ def test_main_job_config_trains_3d_and_saves_every_ranks_shard(tmp_path: Path) -
     # Without a W&B login the run logged offline, said so once, and recorded how it was split.
     assert run.stderr.count("W&B logs offline to runs/3d_cpu/wandb, because no API key is set") == 1
     # One header, from rank 0, says how the run is split and where its checkpoints and logs go; no noise.
-    header = run.stderr[run.stderr.index("lightdist: Llama, ") :].splitlines()[:5]
+    header = run.stderr[run.stderr.index("lightdist: Llama, ") :].splitlines()[:6]
     assert header[0].endswith("on 8 CPU ranks as pp=2 x dp=2 x tp=2, ZeRO-2"), header
     assert header[1] == "  1f1b schedule, 4 microbatches per batch, sequence parallel"
-    assert header[2].startswith("  memory per rank, planned: ")
-    assert header[3].endswith("runs/3d_cpu/checkpoints, uploaded behind training (process)")
-    assert header[4].startswith("  W&B: offline, in runs/3d_cpu/wandb/offline-run-")
+    # windows of one length: each batch's mean weighs alike, as Lightning weighs them, which is one process's here
+    assert header[2] == (
+        "  batches weigh alike, as Lightning's: the step's tokens are not counted (loss_tokens(batch) counts them)"
+    )
+    assert header[3].startswith("  memory per rank, planned: ")
+    assert header[4].endswith("runs/3d_cpu/checkpoints, uploaded behind training (process)")
+    assert header[5].startswith("  W&B: offline, in runs/3d_cpu/wandb/offline-run-")
     assert run.stderr.count("lightdist: Llama, ") == 1
     assert run.stderr.count("lightdist: no checkpoint under ") == 1
     assert not [line for line in (run.stdout + run.stderr).splitlines() if any(noise in line for noise in NOISE)]
@@ -102,6 +106,7 @@ def test_main_job_config_trains_3d_and_saves_every_ranks_shard(tmp_path: Path) -
         "activation_checkpointing": None,
         "cpu_offload": False,
         "compile": False,
+        "loss_weighting": "tokens",
         "non_finite": None,
         "precision": "32-true",
         "parameters": sum(p.numel() for p in Llama("tiny").parameters()),

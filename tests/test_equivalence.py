@@ -8,8 +8,10 @@ from functools import cache
 import pytest
 import torch
 
+from lightdist.plugins.token_weights import weighing_rule
+
 from multirank import run_ranks
-from training import WEIGHT_ATOL, Case, References, Result, merge_stages, train_cases
+from training import MODELS, WEIGHT_ATOL, Case, References, Result, merge_stages, train_cases
 
 pytestmark = pytest.mark.multirank
 
@@ -456,3 +458,36 @@ def test_training_moves_the_weights() -> None:
     assert trained.validated.keys() == {"val_loss", "val_perplexity", "val_windows"}
     assert trained.validated["val_windows"] == 64
     assert trained.validated["val_perplexity"] == pytest.approx(math.exp(trained.validated["val_loss"]), rel=1e-6)
+
+
+ACCUMULATED = dict(model="zoo_hf_llama_finetuning", data="padded", accumulate_grad_batches=2, steps=3)
+
+
+def test_batches_weigh_as_lightning_weighs_them_where_asked() -> None:
+    """Padded batches of a gradient accumulation weigh by their labelled tokens, the accumulation's mean over its
+    tokens; with ``loss_weighting="batches"`` each batch's mean weighs alike, as Lightning alone trains them."""
+    lightning, batches, tokens = run_ranks(
+        1,
+        train_cases,
+        [
+            Case(**ACCUMULATED, sampled_as_ranks=1),  # Lightning's own, in the order its sampler deals one rank
+            Case(**ACCUMULATED, strategy=dict(loss_weighting="batches")),
+            Case(**ACCUMULATED, strategy=dict()),
+        ],
+    )[0]
+    assert not (lightning.error or batches.error or tokens.error), lightning.error + batches.error + tokens.error
+    torch.testing.assert_close(batches.grad_norms, lightning.grad_norms, rtol=1e-6, atol=0)
+    for key in lightning.params:
+        torch.testing.assert_close(batches.params[key], lightning.params[key], rtol=1e-6, atol=1e-7, msg=key)
+    assert abs(tokens.grad_norms[0] - lightning.grad_norms[0]) > 1e-3 * lightning.grad_norms[0]
+
+
+def test_the_header_says_how_batches_weigh() -> None:
+    countable, uncountable = MODELS["zoo_hf_llama_finetuning"](1e-3, 2), MODELS["llama"](learning_rate=1e-3)
+    assert weighing_rule(countable, "tokens", cp=1).startswith("batches weigh by their labelled tokens")
+    assert weighing_rule(countable, "batches", cp=1).endswith("as Lightning's (loss_weighting='batches')")
+    assert "the step's tokens are not counted (loss_tokens(batch) counts them)" in weighing_rule(
+        uncountable, "tokens", cp=1
+    )
+    # split sequences are counted by the step's own mean over tokens
+    assert weighing_rule(uncountable, "tokens", cp=2).startswith("batches weigh by their labelled tokens")
