@@ -6,6 +6,7 @@
 ``lightdist export CKPT OUT`` turns a sharded checkpoint into weights for the plain model (safetensors, torch, or a
 Hugging Face model). ``lightdist timeline DIR`` draws the pipeline schedule of the traces ``ProfileSteps`` wrote.
 ``lightdist prepare TEXT... --tokenizer DIR --output URL`` tokenizes a corpus into shards that runs stream.
+``lightdist verify --config ...`` trains the config's layout beside one process on CPU ranks and compares each step.
 ``lightdist fit --config ... --launcher ray --num-workers N`` trains on Ray Train's workers.
 ``--verbose`` (or ``LIGHTDIST_LOG=debug``) shows the third-party messages lightdist silences (``lightdist/quiet.py``).
 """
@@ -18,7 +19,7 @@ import sys
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
 import lightdist.plugins  # noqa: F401  (registers the strategy names before the config is parsed)
-from lightdist import export, plan, prepare, timeline
+from lightdist import export, plan, prepare, timeline, verify
 
 __all__ = ["main"]
 
@@ -32,6 +33,7 @@ COMMANDS = {
     ),
     "prepare": (prepare.main, "a text corpus tokenized once into token shards at any URL, for runs to stream"),
     "timeline": (timeline.main, "the pipeline schedule of the traces ProfileSteps wrote, as one SVG of every rank"),
+    "verify": (verify.main, "a config's layout trained beside one process on CPU ranks, step by step: equal or not"),
 }
 
 

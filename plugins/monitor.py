@@ -23,11 +23,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightdist.expert_load import ExpertLoad, imbalance_metrics, wandb_histograms
+from lightdist.pipeline.structural import total_norm
 from lightdist.plugins.strategy import ParallelStrategy
 from lightdist.sharding import local_tensor
 from lightdist.throughput import DecoderFlops, device_peak_flops
 
-__all__ = ["TrainingMonitor", "sequences_and_length"]
+__all__ = ["TrainingMonitor", "gradient_norm", "sequences_and_length"]
 
 _ON_PROGRESS_BAR = ("perf/tokens_per_s", "perf/mfu")
 
@@ -146,7 +147,7 @@ class TrainingMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
         if (trainer.global_step + 1) % self._every == 0:
-            self._grad_norm = _gradient_norm(trainer, optimizer)
+            self._grad_norm = gradient_norm(trainer, optimizer)
             self._gradient_bytes = _held_bytes(p.grad for p in pl_module.parameters() if p.grad is not None)
 
     @override
@@ -213,11 +214,12 @@ def _counts_tokens(trainer: pl.Trainer) -> bool:
     return not isinstance(strategy, ParallelStrategy) or strategy.device_mesh["tp"].get_local_rank() == 0
 
 
-def _gradient_norm(trainer: pl.Trainer, optimizer: Optimizer) -> Tensor:
+def gradient_norm(trainer: pl.Trainer, optimizer: Optimizer) -> Tensor:
+    """The whole model's gradient norm, over every stage and shard of a ``ParallelStrategy``'s, or one process's."""
     if isinstance(trainer.strategy, ParallelStrategy):
         return trainer.strategy.gradient_norm(optimizer)
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    return torch.nn.utils.get_total_norm(grads)
+    return total_norm(grads)
 
 
 def _memory_parts(trainer: pl.Trainer, module: nn.Module, gradient_bytes: float) -> dict[str, float]:

@@ -47,6 +47,7 @@ SHELL_BLOCKS = {
     "model.pt --dtype bfloat16\nlightdist export s3://bucket/run/last.ckpt llama-hf": (
         "tests/test_export.py::test_exported_file_loads_into_the_plain_model"
     ),
+    ".venv/bin/lightdist verify --config configs/3d.yaml": RUN_HERE,
     'lightdist plan --model lightdist.models.Llama --init-args \'{"preset": "70b"}\' --gpus 64 --format csv': RUN_HERE,
     'lightdist plan --model lightdist.models.MoELlama --init-args \'{"preset": "8x7b"}\' --gpus 16 --ep 4': RUN_HERE,
     ".venv/bin/lightdist fit --config configs/tp2_zero3_cpu.yaml --launcher ray --num-workers 4 --max-failures 1": (

@@ -30,9 +30,9 @@ from lightdist.models import HuggingFaceCausalLM
 from lightdist.plugins import ParallelStrategy
 from lightdist.pretrained import PretrainedWeights
 from lightdist.sharding import local_tensor
+from lightdist.verify import ShardedOrder
 
 from multirank import raised, run_ranks
-from training import ShardedOrder
 from zoo import HF_TINY, HF_TINY_GPT2
 
 FAMILIES = {

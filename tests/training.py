@@ -12,9 +12,7 @@ rate. Final weights then agree within 1e-5 at 1e-3, and the gap grows linearly w
 from __future__ import annotations
 
 import json
-import os
 import traceback
-from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
@@ -32,7 +30,7 @@ from tokenizers import Tokenizer
 from tokenizers import models as tokenizer_models
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset
 
 from lightdist.async_checkpoint import WRITER_THREADS
 from lightdist.models import GPT2, HuggingFaceCausalLM, Llama, MoELlama, TokenDataModule
@@ -41,6 +39,7 @@ from lightdist.models.lm import CausalLM
 from lightdist.pipeline.microbatches import examples_in
 from lightdist.plugins import ModelCheckpoint, ParallelStrategy, TrainingMonitor
 from lightdist.prepare import prepare
+from lightdist.verify import ShardedOrder
 
 import zoo
 from multirank import run_ranks_beside
@@ -509,33 +508,6 @@ class _CountValidationWindows(Callback):
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         pl_module.log("val_windows", float(examples_in(batch)), reduce_fx="sum", sync_dist=True)
-
-
-class ShardedOrder(Sampler[list[int]]):
-    """The batches of ``batch_size`` that ``ranks`` data-parallel ranks' distributed samplers deal, as Lightning adds
-    them (shuffled for training), joined: a single process draws the parallel run's global batches in its order."""
-
-    def __init__(self, dataset: Dataset, ranks: int, batch_size: int, *, shuffle: bool) -> None:
-        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        self.samplers = [DistributedSampler(dataset, ranks, rank, shuffle=shuffle, seed=seed) for rank in range(ranks)]
-        self.batch_size = batch_size
-
-    def __iter__(self) -> Iterator[list[int]]:
-        shards = [list(sampler) for sampler in self.samplers]
-        for start in range(0, len(shards[0]), self.batch_size):
-            yield [index for shard in shards for index in shard[start : start + self.batch_size]]
-
-    def __len__(self) -> int:
-        return -(-len(self.samplers[0]) // self.batch_size)
-
-    @property
-    def sampler(self) -> ShardedOrder:
-        """Lightning sets the epoch of a batch sampler's ``sampler`` only, not of the batch sampler: this one."""
-        return self
-
-    def set_epoch(self, epoch: int) -> None:
-        for sampler in self.samplers:
-            sampler.set_epoch(epoch)
 
 
 class LoaderBatches(LightningDataModule):

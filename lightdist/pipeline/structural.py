@@ -43,6 +43,7 @@ __all__ = [
     "stage_costs",
     "stage_ends",
     "stage_sizes",
+    "total_norm",
 ]
 
 
@@ -455,8 +456,22 @@ def grad_norm_across_stages(
 
 
 def _squared_norm(parameters: list[nn.Parameter], device: torch.device) -> Tensor:
-    squared = torch.zeros((), device=device)
+    squared = torch.zeros((), device=device, dtype=_NORM_DTYPES.get(device.type, torch.float32))
     for grads in _by_mesh(p.grad for p in parameters):
-        norm = torch.nn.utils.get_total_norm(grads)
-        squared = squared + (norm.full_tensor() if isinstance(norm, DTensor) else norm).float().pow(2)
+        norm = total_norm(grads)
+        squared = squared + (norm.full_tensor() if isinstance(norm, DTensor) else norm).to(squared.dtype).pow(2)
     return squared
+
+
+# Where the norm sums: torch's CPU kernels add fp32 squares one after another, dropping a tensor's small entries
+# beside its large ones (a 32000-word LM head's gradient, whose unused rows are tiny: 9e-5 of its norm); GPUs sum in
+# a tree, as accurate in fp32.
+_NORM_DTYPES = {"cpu": torch.float64}
+
+
+def total_norm(tensors: list[Tensor]) -> Tensor:
+    """The 2-norm of ``tensors`` (DTensors of one mesh, or plain), summed in float64 on CPUs (``_NORM_DTYPES``)."""
+    dtype = _NORM_DTYPES.get(tensors[0].device.type) if tensors else None
+    if dtype is None:
+        return torch.nn.utils.get_total_norm(tensors)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t, dtype=dtype) for t in tensors]))
