@@ -19,6 +19,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightdist.context_parallel_check import probe_prefix
 from lightdist.plugins import ParallelStrategy
 
 from multirank import run_ranks, run_ranks_beside
@@ -61,6 +62,15 @@ def own_loss_after_the_prompt(module, batch):
     return module.model(input_ids=batch["input_ids"], labels=labels).loss
 
 
+def summed_over_a_number(module, batch):
+    """The count taken out of the graph, where lightdist cannot see what the sum is divided by (targets shifted by
+    the loader)."""
+    logits = module.model(input_ids=batch["input_ids"]).logits
+    losses = F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), reduction="none")
+    mask = batch["targets"].flatten() != -100
+    return (losses * mask).sum() / mask.sum().item()
+
+
 def flattened_shift(module, batch):
     logits = module.model(input_ids=batch["input_ids"]).logits
     return F.cross_entropy(logits.view(-1, logits.size(-1))[:-1], batch["labels"].view(-1)[1:])
@@ -99,8 +109,8 @@ def last_token_classified(module, batch):
 
 class FineTuning(LightningModule):
     """A tiny Hugging Face Llama as ``self.model`` (its loss's own shift, SDPA), trained by one of the steps above
-    on the collator's batches of documents padded to ``BLOCK`` tokens, with a prompt tensor of ``PROMPT`` tokens and
-    the labels shifted by one (``targets``) beside them."""
+    on the collator's batches of documents padded to ``BLOCK`` tokens, each opening with an unlabelled instruction,
+    with a prompt tensor of ``PROMPT`` tokens and the labels shifted by one (``targets``) beside them."""
 
     def __init__(self, loss) -> None:
         super().__init__()
@@ -125,8 +135,11 @@ class FineTuning(LightningModule):
 
         def with_prompt(docs: list[dict]) -> dict[str, Tensor]:
             batch = dict(collate(docs))
-            targets = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
-            return {**batch, "prompt": batch["input_ids"][:, :PROMPT], "targets": targets}
+            # each document's first tokens an instruction, unlabelled: 2, 5, 3 and 7 of them
+            instruction = torch.tensor([2, 5, 3, 7]).repeat(len(docs))[: len(docs), None]
+            labels = batch["labels"].masked_fill(torch.arange(BLOCK) < instruction, -100)
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+            return {**batch, "labels": labels, "prompt": batch["input_ids"][:, :PROMPT], "targets": targets}
 
         return DataLoader(documents(64, padded=True), batch_size=4, collate_fn=with_prompt)
 
@@ -203,6 +216,7 @@ EXACT = {
     "buffered_positions": "buffer",
 }
 REFUSED = {
+    "summed_over_a_number": summed_over_a_number,
     "flattened_shift": flattened_shift,
     "row_by_row_shift": row_by_row_shift,
     "prompt_masked_in_place": prompt_masked_in_place,
@@ -294,6 +308,7 @@ def test_a_step_that_splits_exactly_trains_as_one_process(name: str) -> None:
         ),
         ("per_sequence_mean", "computes mean along the sequence of a tensor that holds this rank's share"),
         # by the check of the step against whole sequences, where nothing does
+        ("summed_over_a_number", "the loss by"),
         ("row_by_row_shift", "the loss by"),
         ("prompt_masked_in_place", "the loss by"),
         ("last_token_classified", "the loss by"),
@@ -311,3 +326,15 @@ def test_a_step_that_would_train_differently_is_refused_at_its_first_run(name: s
             in (split[name])
         )
         assert "train with context_parallel_size=1" in split[name]
+
+
+def test_the_check_runs_on_as_many_tokens_as_a_rank_holds_the_ranks_holding_unequal_labels() -> None:
+    # over 2 ranks, rank 0 holds positions 0 and 3, rank 1 positions 1 and 2
+    labels = torch.tensor([[1, 2, 3, 4], [1, 2, -100, -100], [1, -100, -100, -100], [-100, -100, -100, 4]])
+    batch = {"input_ids": labels.clamp(min=0), "labels": labels, "prompt": labels[:, :2]}
+    prefix = probe_prefix(batch, cp=2)
+    assert prefix["labels"].tolist() == [[1, -100, -100, -100], [-100, -100, -100, 4]]  # in the batch's order
+    assert prefix["prompt"].tolist() == [[1, -100], [-100, -100]]
+    # one window of 65 tokens over 4 ranks: its first 17, one more than a length that splits into 8 chunks
+    (window,) = probe_prefix([torch.arange(65)[None]], cp=4)
+    assert window.tolist() == [list(range(17))]
