@@ -85,11 +85,11 @@ class _FirstBlockDone(Exception):
     pass
 
 
-def run_first_block(model: nn.Module, stack: DecoderStack, tokens: int = 8) -> None:
-    """Run the network a training step calls on two sequences of ``tokens`` zero tokens, up to the end of the first
-    block. Two, so that what the block is given shows which sizes grow with the batch, as in training (BLOOM's ALiBi
-    biases lead with batch x heads, MPT's with heads alone: one sequence would make them alike), and code that folds
-    the batch into the heads costs in the layout check what it costs in training.
+def run_first_block(model: nn.Module, stack: DecoderStack, tokens: int = 8, *, blocks: int = 1) -> None:
+    """Run the network a training step calls on two sequences of ``tokens`` zero tokens, up to the end of its first
+    block (of its first ``blocks``). Two, so that what the block is given shows which sizes grow with the batch, as in
+    training (BLOOM's ALiBi biases lead with batch x heads, MPT's with heads alone: one sequence would make them
+    alike), and code that folds the batch into the heads costs in the layout check what it costs in training.
 
     The step may call the model itself or a module holding the stack (``self.model(x)``,
     ``self.model.model(input_ids=x)``); the innermost of those whose forward gets through the first block is run, so
@@ -103,7 +103,7 @@ def run_first_block(model: nn.Module, stack: DecoderStack, tokens: int = 8) -> N
 
     device = next(model.parameters()).device
     ids = torch.zeros(2, tokens, dtype=torch.long, device=device)
-    handle = stack.blocks[0].register_forward_hook(stop)
+    handle = stack.blocks[blocks - 1].register_forward_hook(stop)
     errors = []
     try:
         for name in reversed(stack.enclosing):

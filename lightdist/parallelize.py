@@ -34,7 +34,14 @@ from lightdist.layout import ParallelLayout
 from lightdist.layout_probe import probe_layouts
 from lightdist.listed_experts import apply_listed_expert_parallel
 from lightdist.pipeline.schedules import PipelineSchedule, check_schedule, stages_of_rank, virtual_stages_of
-from lightdist.pipeline.structural import ModelCall, StageModel, keep_stages, stage_ends, stage_sizes
+from lightdist.pipeline.structural import (
+    ModelCall,
+    StageModel,
+    check_blocks_hand_on_one_stream,
+    keep_stages,
+    stage_ends,
+    stage_sizes,
+)
 from lightdist.pipeline.tied import tied_across_stages, tied_names
 from lightdist.pipeline.traced import (
     TracedInput,
@@ -479,6 +486,7 @@ def _cut_pipeline_stages(
     ranges = {index: range(sum(sizes[:index]), sum(sizes[: index + 1])) for index in indices}
     blocks = list(stack.blocks)
     kept = {block for r in ranges.values() for block in r}
+    check_blocks_hand_on_one_stream(model, stack)
     ends = stage_ends(model, stack)
     stack = keep_stages(model, stack, kept, first=0 in indices, last=count - 1 in indices, ends=ends)
     as_stream = None

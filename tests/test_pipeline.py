@@ -22,6 +22,7 @@ from lightdist.pipeline.structural import (
     ModelCall,
     StageModel,
     balanced_split,
+    check_blocks_hand_on_one_stream,
     keep_stages,
     stage_ends,
 )
@@ -296,3 +297,40 @@ def single_process_run() -> Future[list[list[Any]]]:
 def single_process_results() -> dict[str, Any]:
     validated, predicted = single_process_run().result()[0]
     return {"validate": validated, "predict": predicted}
+
+
+class _BiasedBlock(torch.nn.Module):
+    """A block that takes a bias over its scores, and computes it where it is given none, as T5's first block does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        bias = torch.zeros(x.size(1), x.size(1)) if bias is None else bias
+        return x + self.proj(x) + bias.sum(), bias + 1
+
+
+class _BiasHandedOnLM(torch.nn.Module):
+    """Its loop hands each block the bias the block before returned (T5's position bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)
+        self.layers = torch.nn.ModuleList(_BiasedBlock() for _ in range(4))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x, bias = self.embed(tokens), None
+        for block in self.layers:
+            x, bias = block(x, bias)
+        return self.head(x)
+
+
+def test_a_model_whose_blocks_hand_on_more_than_the_hidden_states_is_refused_before_it_is_cut() -> None:
+    model = _BiasHandedOnLM()
+    handed_on = r"hands layers.1 a tensor of shape \(8, 8\) that layers.0 returned besides its hidden states"
+    with pytest.raises(ValueError, match=handed_on):
+        check_blocks_hand_on_one_stream(model, find_decoder_stack(model))
+    # what a block hands back as it was given (a mask carried through the loop) is no state of its own
+    nanogpt = MODELS["zoo_nanogpt"](learning_rate=1e-3, warmup_steps=2)
+    check_blocks_hand_on_one_stream(nanogpt, find_decoder_stack(nanogpt))

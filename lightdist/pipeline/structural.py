@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from lightdist.dataflow import run_first_block
+from lightdist.dataflow import run_first_block, tensors_in
 from lightdist.structure import DecoderStack
 from lightdist.torch_internals import is_view
 
@@ -37,6 +37,7 @@ __all__ = [
     "ModelCall",
     "StageModel",
     "balanced_split",
+    "check_blocks_hand_on_one_stream",
     "clip_grads",
     "grad_norm_across_stages",
     "keep_stages",
@@ -104,6 +105,51 @@ def stage_ends(model: nn.Module, stack: DecoderStack) -> dict[str, bool]:
         for handle in handles:
             handle.remove()
     return {name: name in ran for name in outside}
+
+
+def check_blocks_hand_on_one_stream(model: nn.Module, stack: DecoderStack) -> None:
+    """Refuse a model whose loop hands a block something an earlier block returned besides the hidden states (T5's
+    position bias, computed by the first block and passed to the rest): a stage's first block gets only the hidden
+    states from the stage before, and would compute without it. Found by running the model through its blocks on
+    zero tokens (``run_first_block``); a model that cannot run so is not checked here."""
+    returned: list[tuple[Tensor, int]] = []  # the tensors themselves: their ids stay theirs while the run lasts
+
+    def keep_returned(index: int) -> Callable[..., None]:
+        def hook(block: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if isinstance(output, tuple | list):
+                given = {id(tensor) for tensor in tensors_in((args, kwargs))}  # handed back as it came: no state
+                returned.extend((t, index) for t in tensors_in(output[1:]) if id(t) not in given)
+
+        return hook
+
+    def check_given(index: int) -> Callable[..., None]:
+        def hook(block: nn.Module, args: tuple, kwargs: dict) -> None:
+            given = {id(tensor) for tensor in tensors_in((args[1:], kwargs))}
+            handed.extend((tensor, source, index) for tensor, source in returned if id(tensor) in given)
+
+        return hook
+
+    handed: list[tuple[Tensor, int, int]] = []  # a tensor a block returned, that block, and the block it reached
+    handles = []
+    for index, block in enumerate(stack.blocks):
+        handles.append(block.register_forward_hook(keep_returned(index), with_kwargs=True))
+        handles.append(block.register_forward_pre_hook(check_given(index), with_kwargs=True))
+    try:
+        run_first_block(model, stack, blocks=len(stack))
+    except RuntimeError:
+        pass  # the model cannot run on token ids alone: the stages' own checks are what is left
+    finally:
+        for handle in handles:
+            handle.remove()
+    if handed:
+        tensor, source, index = handed[0]
+        raise ValueError(
+            f"Pipeline parallelism hands each stage's first block the previous stage's hidden states alone, but the "
+            f"model's loop hands {stack.name}.{index} a tensor of shape {tuple(tensor.shape)} that "
+            f"{stack.name}.{source} returned besides its hidden states: a stage starting at a later block would "
+            "compute without it. Cut the "
+            "stages with torch's tracer, which hands on every value (pipeline_tracer=True)."
+        )
 
 
 def stage_costs(model: nn.Module, stack: DecoderStack) -> tuple[list[int], int, int]:
