@@ -43,26 +43,32 @@ def tolerance(compute_dtype: torch.dtype) -> float:
     return 1e-5 if exact else 2e-2
 
 
-def probe_prefix(batch: Any, cp: int) -> Any:
+def probe_prefix(batch: Any, cp: int, *, every_example: bool = False) -> Any:
     """The part of ``batch`` the check runs on: as many tokens as a rank holds in training, so that the whole run
     takes no more memory than the split one. Whole sequences of ``examples / cp`` examples where the batch has that
-    many: where it has ``labels``, those whose labelled tokens the ranks would hold most unequally (padding and prompts
-    do), which a mean weighed wrong needs to show; else the first example's first
-    tokens, as many as keep the sequence's length modulo ``2 * cp`` (a window of ``T + 1`` tokens stays one more than a
-    length that splits)."""
+    many; else, or with ``every_example`` (a pipeline cuts them into its microbatches), the first tokens of the first
+    example or of every one, as many as keep the sequence's length modulo ``2 * cp`` (a window of ``T + 1`` tokens
+    stays one more than a length that splits). Where the batch has ``labels``, the examples kept are those whose
+    labelled tokens the ranks would hold most unequally (padding and prompts do): a mean weighed wrong shows there."""
     sequences = [t for t in tensors_in(batch) if t.dim() >= 2]
     if not sequences:
         return batch
     examples = sequences[0].size(0)
     length = max(t.size(1) for t in sequences if t.size(0) == examples)
-    kept = torch.arange(max(1, examples // cp))
+    if every_example:
+        kept, tokens = examples, length // cp
+    elif examples >= cp:
+        kept, tokens = examples // cp, length
+    else:
+        kept, tokens = 1, length * examples // cp
+    order = torch.arange(examples)
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
     if isinstance(labels, Tensor) and labels.shape == (examples, length) and length % (2 * cp) == 0:
         labelled = (labels != IGNORE_INDEX).cpu()
         held = torch.stack([labelled[:, load_balanced_positions(length, cp, rank)].sum(1) for rank in range(cp)])
-        unequal = held.amax(0) - held.amin(0)  # per example: how unequally the ranks would hold its labels
-        kept = unequal.argsort(descending=True, stable=True)[: len(kept)].sort().values
-    tokens = length if examples >= cp else max(length * examples // cp, 4 * cp)
+        order = (held.amax(0) - held.amin(0)).argsort(descending=True, stable=True)  # the most unequal first
+    kept = order[:kept].sort().values
+    tokens = min(length, max(tokens, 4 * cp))
     tokens = min(length, tokens + (length - tokens) % (2 * cp))
 
     def cut(tensor: Tensor) -> Tensor:
@@ -83,16 +89,19 @@ def check_split_step(
     rtol: float,
     step_name: str,
     around: Callable[[], AbstractContextManager] = nullcontext,
+    backward_in_step: bool = False,
 ) -> None:
     """Run ``step`` on ``batch`` whole on each rank, then split over ``cp``'s ranks, and raise where the loss (and,
     given ``parameters`` by name, their gradients, left as they were found) differ by more than ``rtol``. A
     collective of every rank; ``around``: what the step's loss runs under besides context parallelism (loss
-    parallelism)."""
+    parallelism); ``backward_in_step``: the step runs its own backward, weighing its loss as training does (a
+    pipeline's schedule)."""
     device = tensors_in(batch)[0].device
     examples, length = _sequences(batch)
     saved = None if parameters is None else {name: p.grad for name, p in parameters.items()}
     try:
         with around():
+            _clear(parameters)
             try:
                 whole, _ = step(_copied(batch))  # a step may write into its batch (labels masked in place)
             except Exception as error:
@@ -101,12 +110,13 @@ def check_split_step(
                     f"lightdist runs it on to check context_parallel_size={cp.size} against (as many tokens as a "
                     f"rank holds in training): {type(error).__name__}: {error}"
                 ) from error
-            whole_grads = _gradients(whole, parameters)
+            whole_grads = _gradients(whole, parameters, backward=not backward_in_step)
         with around(), cp.active():
+            _clear(parameters)
             split, tokens = step(cp.shard_batch(_copied(batch)))
             weight = _weight(cp, tokens, device)
             split = None if split is None else torch.where(weight == 0, 0.0, split * weight)
-            split_grads = _gradients(split, parameters)
+            split_grads = _gradients(split, parameters, backward=not backward_in_step)
     finally:
         for name, grad in (saved or {}).items():
             parameters[name].grad = grad
@@ -140,14 +150,18 @@ def _copied(batch: Any) -> Any:
     return apply_to_collection(batch, Tensor, lambda tensor: tensor.clone())
 
 
-def _gradients(loss: Tensor | None, parameters: dict[str, Tensor] | None) -> dict[str, Tensor]:
+def _clear(parameters: dict[str, Tensor] | None) -> None:
+    for parameter in (parameters or {}).values():
+        parameter.grad = None
+
+
+def _gradients(loss: Tensor | None, parameters: dict[str, Tensor] | None, *, backward: bool) -> dict[str, Tensor]:
     """The gradients of ``loss`` (reduced over the data-parallel ranks, as training reduces them) of the parameters
-    that get one, this rank's shard of each."""
+    that get one, this rank's shard of each: by its ``backward``, or as the step left them."""
     if loss is None or parameters is None:
         return {}
-    for parameter in parameters.values():
-        parameter.grad = None
-    loss.backward()
+    if backward:
+        loss.backward()
     return {name: local_tensor(p.grad).detach().clone() for name, p in parameters.items() if p.grad is not None}
 
 

@@ -43,6 +43,7 @@ from torch.optim import Optimizer
 from torch.profiler import record_function
 from torchmetrics import Metric
 
+from lightdist.dataflow import tensors_in
 from lightdist.loss_tokens import labelled_tokens, shares
 from lightdist.parallelize import ParallelConfig, Parallelized
 from lightdist.pipeline.microbatches import cut_batch
@@ -227,9 +228,11 @@ class PipelineStep:
         # The schedule's own scaling divides every gradient by the microbatch count after each step, also those
         # accumulated over earlier batches; scaling each microbatch's loss instead keeps accumulation exact.
         single = issubclass(schedule_class, PipelineScheduleSingle)
-        self.schedule = schedule_class(
-            stages[0] if single else stages, n_microbatches=microbatches, loss_fn=self.loss, scale_grads=False
+        self._new_schedule = partial(
+            schedule_class, stages[0] if single else stages, n_microbatches=microbatches, loss_fn=self.loss
         )
+        self.schedule = self._new_schedule(scale_grads=False)
+        self._shapes: tuple | None = None  # of the tensors of the microbatches' model calls the schedule last ran
         self._step: Callable[..., Any] | None = None  # the user's step, per microbatch, as the loss
         self._step_for_input: Callable[..., Any] | None = None  # the step run only to learn the model's input
         self._microbatches: list[Any] = []  # the step's batch, cut
@@ -290,7 +293,7 @@ class PipelineStep:
         updates = {name: metric.update_count for name, metric in self.metrics.items()}
         losses: list[Tensor] = []
         with self.clock.timing("scheduled"):
-            self._run(self.schedule.step if train else self.schedule.eval, batch, losses, train=train)
+            self._run("step" if train else "eval", batch, losses, train=train)
         self.clock.settle()
         loss = (
             torch.stack([loss.detach() for loss in losses]).sum() / self._loss_scale if self.last else torch.zeros(())
@@ -306,7 +309,7 @@ class PipelineStep:
         every stage returns the last stage's result."""
         step = partial(type(self.module).predict_step, self.module, batch_idx=batch_idx)
         self._step, self._step_for_input = None, step  # no loss: the schedule's loss calls return zero
-        outputs = self._run(self.schedule.eval, batch, [], return_outputs=True)
+        outputs = self._run("eval", batch, [], return_outputs=True)
         result = None
         if self.last:
             outputs = self._whole_output(outputs)
@@ -318,14 +321,17 @@ class PipelineStep:
 
     def _run(
         self,
-        run: Callable[..., Any],
+        run: str,
         batch: Any,
         losses: list[Tensor],
         *,
         train: bool = False,
         return_outputs: bool = False,
     ) -> Any:
-        """``run`` (the schedule's step or eval) on ``batch``, cut into microbatches by lightdist, whatever its form.
+        """The schedule's ``run`` (``"step"`` or ``"eval"``) on ``batch``, cut into microbatches by lightdist, whatever
+        its form. torch's stages learn the shapes that flow between them once, at a schedule's first run, and size
+        what they receive by them: a batch of other shapes (another sequence length, as dynamic padding makes) runs on a
+        new schedule over the same stages, which learn them again.
 
         The user's step runs on each microbatch up to its model call, whose arguments every stage reads (stages cut
         by the tracer: the first takes them all, a later one those its graph reads); on the last stage it runs on the
@@ -343,6 +349,10 @@ class PipelineStep:
         if train:
             self._loss_scale *= self.token_weights.backward_weight(batch)
         self._check_sequence_shards(calls[0])
+        shapes = tuple(tuple(tensor.shape) for tensor in tensors_in([(call.args, call.kwargs) for call in calls]))
+        if self._shapes not in (None, shapes):
+            self.schedule = self._new_schedule(scale_grads=False)
+        self._shapes = shapes
         index = torch.arange(self.microbatches)
         stage_kwargs = {"lightdist_model_calls": MicrobatchCalls(calls), "lightdist_microbatch": index}
         inputs = ()
@@ -351,7 +361,7 @@ class PipelineStep:
             inputs = inputs if self.first else ()  # torch 2.11 takes them on the first stage only
         self.setting_up_stages = True
         try:
-            return run(
+            return getattr(self.schedule, run)(
                 *inputs,
                 **stage_kwargs,
                 target=index if self.last else None,

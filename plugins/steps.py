@@ -2,8 +2,9 @@
 
 A step runs on the rank's batch, or under context parallelism on its share of each of the batch's sequences (after
 the step of each kind has shown, at its first run, that it computes the whole sequences' loss and gradients that way:
-``lightdist.context_parallel_check``), under a pipeline through the schedule; its loss is weighed by its labelled
-tokens (``token_weights.py``), and computed under loss parallelism where asked.
+``lightdist.context_parallel_check``; under a pipeline too, unless its stages were traced from a rank's share), under
+a pipeline through the schedule; its loss is weighed by its labelled tokens (``token_weights.py``), and computed under
+loss parallelism where asked.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class Steps:
 
     Args:
         context_parallel: Splits each sequence of a step's batch over its ranks, where given.
-        pipelined: Whether a pipeline's schedule runs the steps (it reduces gradients itself).
+        pipelined: Whether a pipeline's schedule runs the steps (it runs backward and reduces gradients itself).
+        traced: Whether the pipeline's stages were traced, from a rank's share of a batch: they run no other shape.
         loss_parallel: Whether the step's cross-entropy takes logits split by vocabulary.
         compute_dtype: What the step computes in, which bounds the rounding a check of the split allows.
     """
@@ -45,13 +47,14 @@ class Steps:
         *,
         context_parallel: ContextParallel | None,
         pipelined: bool,
+        traced: bool,
         loss_parallel: bool,
         compute_dtype: torch.dtype,
     ) -> None:
         self.module, self.model, self.token_weights = module, model, token_weights
         self.context_parallel, self.pipelined, self.loss_parallel = context_parallel, pipelined, loss_parallel
         self._rtol = tolerance(compute_dtype)
-        checked = context_parallel is not None and not pipelined
+        checked = context_parallel is not None and not traced  # traced stages take a rank's share alone
         self._unchecked = {"training_step", "validation_step", "test_step"} if checked else set()
         self._gradient_sync = True
 
@@ -102,20 +105,24 @@ class Steps:
         trains = name == "training_step" and self.module.automatic_optimization
         if name == "training_step" and not trains:
             return  # a manual step steps its optimizers: it cannot run twice unseen
-        with _unseen(self.module), self._synced():
+        with _unseen(self.module), self._synced(), self.token_weights.set_aside():
             check_split_step(
                 self.context_parallel,
                 counted,
-                probe_prefix(batch, self.context_parallel.size),
+                probe_prefix(batch, self.context_parallel.size, every_example=self.pipelined),
                 parameters_of(self.module) if trains else None,
                 rtol=self._rtol,
                 step_name=f"{type(self.module).__name__}.{name}",
                 around=partial(self.loss_context, split=False),
+                backward_in_step=self.pipelined,
             )
 
     @contextmanager
     def _synced(self) -> Iterator[None]:
-        """The check's gradients reduced, within an accumulation too."""
+        """The check's gradients reduced, within an accumulation too (a pipeline's schedule reduces them itself)."""
+        if self.pipelined:
+            yield
+            return
         self.model.set_requires_gradient_sync(True)
         try:
             yield

@@ -220,6 +220,7 @@ class ParallelStrategy(CheckpointingStrategy):
             TokenWeights(module, self.device_mesh, self.root_device, self.context_parallel, self._loss_weighting),
             context_parallel=self.context_parallel,
             pipelined=bool(self._parallelized.stages),
+            traced=self._parallelized.traced_input is not None,
             loss_parallel=config.loss_parallel and self.layout.tp > 1,
             compute_dtype=config.param_dtype or torch.float32,
         )

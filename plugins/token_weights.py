@@ -152,13 +152,23 @@ class TokenWeights:
 
     def counted(self, batch: Any, run: Callable[[], Any]) -> tuple[Any, Tensor | int | None]:
         """``run``'s output, a step on ``batch``, and this rank's labelled tokens in it, counted as ``step`` counts
-        them (``None``: it cannot tell); nothing weighed or reduced."""
-        self._tokens, self._called = None, []
+        them (``None``: it cannot tell); nothing weighed or reduced but by the step itself (a pipeline's), as the first
+        batch of an accumulation. Within ``set_aside``, which keeps the run's own weights."""
+        self._tokens, self._called, self._shared, self._backward_scale, self._window = None, [], None, None, []
         try:
             output = run()
             return output, self._own_tokens(batch)
         finally:
             self._called = None
+
+    @contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """Within, steps (a check's) leave the current batch's weights and the accumulation's as they were."""
+        state = (self._tokens, self._called, self._shared, self._backward_scale, list(self._window))
+        try:
+            yield
+        finally:
+            self._tokens, self._called, self._shared, self._backward_scale, self._window = state
 
     def _own_tokens(self, batch: Any) -> Tensor | int | None:
         if self._tokens is not None:

@@ -218,6 +218,10 @@ CASES = {
         "zoo_hf_llama_pp2_padded_validating": Case(
             strategy=dict(PP2), model="zoo_hf_llama_finetuning", data="padded", validate=True
         ),
+        # batches of other lengths, each step: the stages learn the shapes that flow between them again
+        "zoo_hf_llama_pp2_varied_lengths_validating": Case(
+            strategy=dict(PP2), model="zoo_hf_llama_finetuning", data="varied", validate=True
+        ),
         "zoo_hf_llama_pp2_padded_own_loss_tokens": Case(
             strategy=dict(PP2, microbatches=4), model="zoo_hf_llama_finetuning_own_loss", data="padded"
         ),
@@ -357,6 +361,9 @@ CASES = {
             strategy=dict(PP2, **TP2), model="zoo_hf_llama_finetuning", data="collated"
         ),
         "zoo_hf_llama_pp2_tp2_padded": Case(strategy=dict(PP2, **TP2), model="zoo_hf_llama_finetuning", data="padded"),
+        "zoo_hf_llama_pp2_cp2_varied_lengths": Case(
+            strategy=dict(PP2, **CP2), model="zoo_hf_llama_finetuning", data="varied"
+        ),
         "zoo_hf_llama_pp2_dp2_padded_accumulate_clip": Case(
             strategy=dict(PP2, microbatches=4),
             model="zoo_hf_llama_finetuning",

@@ -454,7 +454,7 @@ class Case:
             * strategy.get("context_parallel_size", 1)
         )
         # Padded batches weigh by their tokens across an accumulation too: one step on all its batches at once.
-        at_once = self.accumulate_grad_batches if self.data == "padded" else 1
+        at_once = self.accumulate_grad_batches if self.data in ("padded", "varied") else 1
         return Case(
             model=self.model,
             steps=self.steps,
@@ -513,10 +513,11 @@ class _CountValidationWindows(Callback):
 class LoaderBatches(LightningDataModule):
     """Batches as people's loaders make them, from plain DataLoaders to which Lightning adds its distributed sampler:
     ``"collated"``, Hugging Face's collator over documents of one length (a ``BatchEncoding``); ``"padded"``, over
-    documents of many lengths, padded per batch; ``"pairs"``, a ``TensorDataset``'s ``(inputs, targets)``. With
+    documents of many lengths, padded per batch (to 24 tokens, nearly every batch); ``"varied"``, the same up to 40
+    tokens, so that batches differ in length; ``"pairs"``, a ``TensorDataset``'s ``(inputs, targets)``. With
     ``sampled_as_ranks``, a single process draws the order that many ranks' samplers deal."""
 
-    FORMS = ("collated", "padded", "pairs")
+    FORMS = ("collated", "padded", "varied", "pairs")
 
     def __init__(self, form: str, batch_size: int, seq_len: int, validate: bool, sampled_as_ranks: int | None) -> None:
         super().__init__()
@@ -532,7 +533,8 @@ class LoaderBatches(LightningDataModule):
     def _dataset(self, seed: int) -> Dataset:
         if self.form == "pairs":
             return zoo.pairs(512, self.seq_len, seed=seed)
-        return zoo.documents(512, padded=self.form == "padded", seed=seed)
+        longest = 40 if self.form == "varied" else 24  # padded to each batch's longest: lengths that vary by batch
+        return zoo.documents(512, padded=self.form in ("padded", "varied"), seed=seed, longest=longest)
 
     def _loader(self, dataset: Dataset, *, shuffle: bool) -> DataLoader:
         collate = zoo.language_modelling_collator() if self.form != "pairs" else None

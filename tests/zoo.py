@@ -547,9 +547,10 @@ class NanoGPTOnPairs(NanoGPT):
 PAD = 63  # a token id the arithmetic corpus never uses
 
 
-def documents(count: int, *, padded: bool, seed: int = 0) -> list[dict[str, list[int]]]:
+def documents(count: int, *, padded: bool, seed: int = 0, longest: int = 24) -> list[dict[str, list[int]]]:
     """Tokenized documents as a dataset of them holds them: lines of sums (``417+38=455``), one to three to a
-    document, so their lengths differ (``padded``); or all cut to 16 tokens, so a batch needs no padding."""
+    document, so their lengths differ (``padded``), cut to ``longest`` tokens; or all cut to 16 tokens, so a batch
+    needs no padding."""
     generator = torch.Generator().manual_seed(seed)
     corpus = torch.from_numpy(arithmetic_corpus(count * 40, seed=seed).astype("int64"))
     lines = corpus.tensor_split((corpus == ARITHMETIC_ALPHABET.index("\n")).nonzero().flatten() + 1)
@@ -558,7 +559,7 @@ def documents(count: int, *, padded: bool, seed: int = 0) -> list[dict[str, list
         taken = int(torch.randint(1, 4, (), generator=generator)) if padded else 3
         tokens = torch.cat(lines[start : start + taken])
         start += taken
-        found.append({"input_ids": (tokens[:24] if padded else tokens[:16]).tolist()})
+        found.append({"input_ids": (tokens[:longest] if padded else tokens[:16]).tolist()})
     return found
 
 
