@@ -51,6 +51,7 @@ from lightdist.pipeline.traced import (
     trace_stages,
     traced_stage_sizes,
 )
+from lightdist.pipeline.whole_copy import whole_copy
 from lightdist.sharding import ZeroStage, apply_data_parallel
 from lightdist.structure import DecoderStack, find_decoder_stack, find_repeated_blocks
 from lightdist.tensor_parallel import TensorParallelStyle, apply_tensor_parallel, discover_plan
@@ -218,6 +219,9 @@ class Parallelized:
     model_paths: list[str] = field(default_factory=list)
     tied: list[tuple[str, str]] = field(default_factory=list)
     traced_input: TracedInput | None = None
+    # Under a pipeline cut by structure, a copy of the whole model before it was cut, which the first training step
+    # checks the stages against, where it is small and its experts are not split.
+    whole: nn.Module | None = None
     # Whether the model came sharded already (a ``configure_model`` written for Lightning's ModelParallelStrategy).
     sharded_by_user: bool = False
 
@@ -487,6 +491,7 @@ def _cut_pipeline_stages(
     blocks = list(stack.blocks)
     kept = {block for r in ranges.values() for block in r}
     check_blocks_hand_on_one_stream(model, stack)
+    whole = whole_copy(model) if config.expert_parallel_size == 1 else None
     ends = stage_ends(model, stack)
     stack = keep_stages(model, stack, kept, first=0 in indices, last=count - 1 in indices, ends=ends)
     as_stream = None
@@ -505,7 +510,13 @@ def _cut_pipeline_stages(
         for index in indices
     ]
     return stack, Parallelized(
-        root, stages=stages, stage_indices=indices, stage_count=count, model_paths=stack.enclosing, tied=tied
+        root,
+        stages=stages,
+        stage_indices=indices,
+        stage_count=count,
+        model_paths=stack.enclosing,
+        tied=tied,
+        whole=whole,
     )
 
 

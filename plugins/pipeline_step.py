@@ -43,6 +43,7 @@ from torch.optim import Optimizer
 from torch.profiler import record_function
 from torchmetrics import Metric
 
+from lightdist.context_parallel_check import tolerance
 from lightdist.dataflow import tensors_in
 from lightdist.loss_tokens import labelled_tokens, shares
 from lightdist.parallelize import ParallelConfig, Parallelized
@@ -52,14 +53,15 @@ from lightdist.pipeline.structural import MicrobatchCalls, ModelCall
 from lightdist.pipeline.tied import TiedGradients, tied_gradients
 from lightdist.plugins.lightning_internals import data_source
 from lightdist.plugins.metric_sync import load_metric_states, metric_states, metrics_of
-from lightdist.plugins.token_weights import TokenWeights, logging_to
+from lightdist.plugins.model_calls import answering_model_calls, model_call_of
+from lightdist.plugins.pipeline_check import PipelineCheck
+from lightdist.plugins.token_weights import TokenWeights
 
 __all__ = [
     "PipelineStep",
     "StageClock",
     "batch_on_device",
     "example_model_call",
-    "model_call_of",
     "optimizer_steps_after",
     "pipeline_step_over",
 ]
@@ -124,66 +126,6 @@ _STAGE_COMPUTE = {
 }
 
 
-class _ModelCalled(Exception):
-    def __init__(self, call: ModelCall) -> None:
-        super().__init__("the model was called")
-        self.call = call
-
-
-def model_call_of(
-    module: LightningModule,
-    step: Callable[[Any], Any],
-    batch: Any,
-    metrics: dict[str, Metric],
-    callable_as_model: list[str],
-) -> ModelCall:
-    """The call ``step`` (the user's step on one batch) makes to the model, learned by running the step up to that
-    call: the first call of ``module`` or of a module it holds named in ``callable_as_model`` (``""``: ``module``
-    itself). What the step logs or adds to ``metrics`` on the way is dropped."""
-
-    def called_at(path: str) -> Callable[..., None]:
-        def called(*args: Any, **kwargs: Any) -> None:
-            raise _ModelCalled(ModelCall(path, args, kwargs))
-
-        return called
-
-    with answering_model_calls(module, {path: called_at(path) for path in callable_as_model}, metrics=metrics):
-        try:
-            step(batch)
-        except _ModelCalled as called:
-            return called.call
-    calls = " or ".join(f"`self.{path}(...)`" if path else "`self(...)`" for path in callable_as_model)
-    raise RuntimeError(
-        f"{type(module).__name__}'s step never called the model ({calls}), so pipeline parallelism cannot tell what "
-        "enters the first stage. Call the model from your step, e.g. `logits = self(x)`."
-    )
-
-
-@contextmanager
-def answering_model_calls(
-    module: LightningModule,
-    answers: dict[str, Callable[..., Any]],
-    *,
-    log: Callable[..., None] | None = None,
-    metrics: dict[str, Metric],
-) -> Iterator[None]:
-    """Within, a call of the module at each path of ``answers`` (in ``module``; ``""``: ``module`` itself) returns
-    its answer, and ``module``'s ``self.log`` calls go to ``log``; with ``log=None`` they and what the step adds to
-    ``metrics`` are dropped."""
-    saved_metrics = metric_states(metrics) if log is None else None
-    answering = [(module.get_submodule(path), answer) for path, answer in answers.items()]
-    for called, answer in answering:
-        called.forward = answer
-    try:
-        with logging_to(module, log or (lambda *args, **kwargs: None)):
-            yield
-    finally:
-        for called, _ in answering:
-            del called.forward
-        if saved_metrics is not None:
-            load_metric_states(metrics, saved_metrics)
-
-
 # The precision plugin's context for each of Lightning's steps.
 _PRECISION_CONTEXTS = {
     "training_step": "train_step_context",
@@ -208,23 +150,25 @@ class PipelineStep:
         sequence_shards: int = 1,
         tied: TiedGradients | None = None,
         traced_input: Callable[[tuple[tuple, dict]], tuple] | None = None,
+        first_step_check: PipelineCheck | None = None,
     ) -> None:
         """``callable_as_model``: the modules (by name in ``module``, ``""`` for itself) whose call by the step is
         the model call that enters the first stage. ``token_weights``: weighs the batch by its labelled tokens among
         the data-parallel ranks' and the accumulation's batches, told the microbatches' counts. ``sequence_shards``:
         the tensor-parallel ranks each stage hands its share of the sequence to the next (sequence parallelism), 1
         without. ``traced_input``: for stages cut by the tracer, the first stage's positional inputs from the model
-        call; without it, every stage gets the call as ``StageModel`` expects."""
+        call; without it, every stage gets the call as ``StageModel`` expects. ``first_step_check``: run on the first
+        training batch, before it trains."""
         self.module, self.microbatches, self.tied, self.traced_input = module, microbatches, tied, traced_input
         self.callable_as_model, self.sequence_shards = callable_as_model, sequence_shards
-        self.token_weights = token_weights
+        self.token_weights, self.first_step_check = token_weights, first_step_check
         last = [stage.submod for stage in stages if stage.is_last]
         # The model call's answer on the last stage, whole (structure-cut stages hand on the output's tensors only).
         self._whole_output = last[0].whole_output if last else lambda output: output
-        self._called = ""  # the module the step calls as the model, learned with each batch's call
+        self.called = ""  # the module the step calls as the model (its path), learned with each batch's call
         self.pp_group, self.last = stages[0].group, any(stage.is_last for stage in stages)
         self.first = any(stage.is_first for stage in stages)
-        self._last_stage = dist.get_world_size(self.pp_group) - 1  # the last stage is on the pp group's last rank
+        self.last_stage = dist.get_world_size(self.pp_group) - 1  # the last stage is on the pp group's last rank
         # The schedule's own scaling divides every gradient by the microbatch count after each step, also those
         # accumulated over earlier batches; scaling each microbatch's loss instead keeps accumulation exact.
         single = issubclass(schedule_class, PipelineScheduleSingle)
@@ -236,7 +180,7 @@ class PipelineStep:
         self._step: Callable[..., Any] | None = None  # the user's step, per microbatch, as the loss
         self._step_for_input: Callable[..., Any] | None = None  # the step run only to learn the model's input
         self._microbatches: list[Any] = []  # the step's batch, cut
-        self._shares = torch.ones(microbatches) / microbatches  # each microbatch's share of the batch's loss
+        self.shares = torch.ones(microbatches) / microbatches  # each microbatch's share of the batch's loss
         self._microbatch = 0  # the microbatch whose loss the step computes now
         self._logged: dict[str, list] = defaultdict(list)
         self._logged_metrics: dict[str, str] = {}  # logged name -> module path of the torchmetrics metric logged
@@ -266,6 +210,9 @@ class PipelineStep:
             return self.predict(batch, batch_idx)
         if step_name != "training_step":
             return self(step_name, batch, batch_idx, train=False)
+        if self.first_step_check is not None:
+            check, self.first_step_check = self.first_step_check, None
+            check(self, batch)
         trainer = self.module.trainer
         accumulate = trainer.accumulate_grad_batches
         if batch_idx % accumulate == 0:
@@ -299,7 +246,7 @@ class PipelineStep:
             torch.stack([loss.detach() for loss in losses]).sum() / self._loss_scale if self.last else torch.zeros(())
         )
         loss = loss.to(self.module.device).float()
-        dist.broadcast(loss, group_src=self._last_stage, group=self.pp_group)
+        dist.broadcast(loss, group_src=self.last_stage, group=self.pp_group)
         updated = [name for name, metric in self.metrics.items() if metric.update_count != updates[name]]
         self._share_logs_and_metrics(updated)
         return loss
@@ -313,10 +260,10 @@ class PipelineStep:
         result = None
         if self.last:
             outputs = self._whole_output(outputs)
-            with answering_model_calls(self.module, {self._called: lambda *args, **kwargs: outputs}, metrics={}):
+            with answering_model_calls(self.module, {self.called: lambda *args, **kwargs: outputs}, metrics={}):
                 result = step(batch)
         shared = [result]
-        dist.broadcast_object_list(shared, group_src=self._last_stage, group=self.pp_group)
+        dist.broadcast_object_list(shared, group_src=self.last_stage, group=self.pp_group)
         return shared[0]
 
     def _run(
@@ -340,11 +287,11 @@ class PipelineStep:
         """
         self._microbatches = cut_batch(batch, self.microbatches)
         calls = [self._model_call(microbatch) for microbatch in self._microbatches]
-        self._called = calls[0].path
+        self.called = calls[0].path
         tokens = [
             self._loss_tokens(microbatch, call) for microbatch, call in zip(self._microbatches, calls, strict=True)
         ]
-        self._shares = shares(tokens, self.module.device)
+        self.shares = shares(tokens, self.module.device)
         self.token_weights.count(None if any(count is None for count in tokens) else sum(tokens))
         if train:
             self._loss_scale *= self.token_weights.backward_weight(batch)
@@ -400,7 +347,7 @@ class PipelineStep:
             result = self._step(self._microbatches[self._microbatch])
         loss = result["loss"] if isinstance(result, Mapping) else result
         if loss is not None:
-            return loss * self._loss_scale * self._shares[self._microbatch]
+            return loss * self._loss_scale * self.shares[self._microbatch]
         if torch.is_grad_enabled():
             raise ValueError(
                 f"{type(self.module).__name__}'s training step returned no loss. Under a pipeline it runs on every "
@@ -433,7 +380,7 @@ class PipelineStep:
         """Within, the user's step gets ``model_call``'s answer from the model, and what it logs is kept for
         ``_share_logs_and_metrics``; with ``leave_no_trace``, what it logs and adds to metrics is dropped instead."""
         log = None if leave_no_trace else self._record_log
-        with answering_model_calls(self.module, {self._called: model_call}, log=log, metrics=self.metrics):
+        with answering_model_calls(self.module, {self.called: model_call}, log=log, metrics=self.metrics):
             yield
 
     def _record_log(self, name: str, value: Any, **options: Any) -> None:
@@ -451,14 +398,14 @@ class PipelineStep:
         stage computes and logs what the last does."""
         shared = [
             {
-                name: _over_microbatches(values, self._log_options[name].get("reduce_fx", "mean"), self._shares).cpu()
+                name: _over_microbatches(values, self._log_options[name].get("reduce_fx", "mean"), self.shares).cpu()
                 for name, values in self._logged.items()
             },
             self._logged_metrics,
             self._log_options,
             metric_states({name: self.metrics[name] for name in updated}) if self.last else {},
         ]
-        dist.broadcast_object_list(shared, group_src=self._last_stage, group=self.pp_group)
+        dist.broadcast_object_list(shared, group_src=self.last_stage, group=self.pp_group)
         self._logged, self._logged_metrics, self._log_options = defaultdict(list), {}, {}
         values, logged_metrics, options, states = shared
         if not self.last:
@@ -558,7 +505,25 @@ def pipeline_step_over(
         sequence_shards=mesh["tp"].size() if config.sequence_parallel else 1,
         tied=tied_gradients(module, parallelized.tied, mesh, timeout),
         traced_input=parallelized.traced_input,
+        first_step_check=_first_step_check(module, parallelized, mesh, config, token_weights),
     )
+
+
+def _first_step_check(
+    module: LightningModule,
+    parallelized: Parallelized,
+    mesh: DeviceMesh,
+    config: ParallelConfig,
+    token_weights: TokenWeights,
+) -> PipelineCheck | None:
+    """The check of the first training step against the whole model, where ``parallelize`` kept a copy of it, the
+    step trains by Lightning's automatic optimization, and whole sequences enter the stages (under context
+    parallelism, a rank's share, which its own check covers). The last stage keeps the copy; other ranks drop it."""
+    whole, parallelized.whole = parallelized.whole, None
+    if whole is None or not module.automatic_optimization or token_weights.context_parallel is not None:
+        return None
+    last = mesh["pp"].get_local_rank() == mesh["pp"].size() - 1
+    return PipelineCheck(whole if last else None, tolerance(config.param_dtype or torch.float32))
 
 
 def example_model_call(module: LightningModule, microbatches: int, callable_as_model: list[str]) -> ModelCall:

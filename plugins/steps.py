@@ -25,7 +25,7 @@ from lightdist.loss_parallel import vocab_parallel_cross_entropy
 from lightdist.plugins.metric_sync import load_metric_states, metric_states, metrics_of
 from lightdist.plugins.token_weights import TokenWeights, logging_to
 
-__all__ = ["Steps"]
+__all__ = ["Steps", "unseen"]
 
 
 class Steps:
@@ -105,7 +105,7 @@ class Steps:
         trains = name == "training_step" and self.module.automatic_optimization
         if name == "training_step" and not trains:
             return  # a manual step steps its optimizers: it cannot run twice unseen
-        with _unseen(self.module), self._synced(), self.token_weights.set_aside():
+        with unseen(self.module), self._synced(), self.token_weights.set_aside():
             check_split_step(
                 self.context_parallel,
                 counted,
@@ -137,7 +137,7 @@ def _loss_in(output: Any) -> Tensor | None:
 
 
 @contextmanager
-def _unseen(module: LightningModule) -> Iterator[None]:
+def unseen(module: LightningModule) -> Iterator[None]:
     """Within, ``module`` runs as an evaluation (dropout off) and logs nothing; after, its modules' modes, its
     metrics' states and the random state are as before."""
     modes = {submodule: submodule.training for submodule in module.modules()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tempfile
 import xml.etree.ElementTree as ElementTree
 from concurrent.futures import Future
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch import Trainer, seed_everything
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import DataLoader
@@ -26,12 +28,14 @@ from lightdist.pipeline.structural import (
     keep_stages,
     stage_ends,
 )
+from lightdist.pipeline.whole_copy import whole_copy
 from lightdist.plugins import ParallelStrategy, ProfileSteps
-from lightdist.plugins.pipeline_step import model_call_of
+from lightdist.plugins.model_calls import model_call_of
 from lightdist.structure import find_decoder_stack
 from lightdist.timeline import stage_spans
 
-from multirank import run_each, run_ranks, run_ranks_beside
+import zoo
+from multirank import raised, run_each, run_ranks, run_ranks_beside
 from training import MODELS, Case, train
 
 
@@ -113,9 +117,10 @@ def test_the_model_call_is_the_first_call_of_a_module_around_the_decoder_stack()
         model_call_of(nanogpt, step_around_the_model, batch, {}, enclosing)
 
 
-def quiet_trainer(strategy: dict | None, devices: int) -> Trainer:
+def quiet_trainer(strategy: dict | None, devices: int, **options: Any) -> Trainer:
     """A ``ParallelStrategy`` with ``strategy``'s options, or a single process when it is ``None``."""
     return Trainer(
+        **options,
         accelerator="cpu",
         devices=devices,
         strategy=ParallelStrategy(**strategy) if strategy else "auto",
@@ -282,6 +287,7 @@ def pipeline_results() -> dict[str, tuple]:
     calls["predict_zero_bubble"] = (predict, (dict(PP2, pipeline_schedule="zero_bubble"), 2))
     calls["predict_cp2"] = (predict, (dict(context_parallel_size=2), 2))
     calls["validate_built_on_meta"] = (validate_built_on_meta, (dict(PP2, pipeline_tracer=True), 2))
+    calls |= {f"first_step_{name}": (raised, (train_one_step, name)) for name in FIRST_STEP_REFUSED}
     traces = {f"traces_{name}": Path(tempfile.mkdtemp(prefix="traces-")) for name in ("1f1b", "interleaved_1f1b")}
     calls |= {name: (profile_second_step, (name.removeprefix("traces_"), str(path))) for name, path in traces.items()}
     first, last = run_ranks(2, run_each, list(calls.values()))
@@ -334,3 +340,85 @@ def test_a_model_whose_blocks_hand_on_more_than_the_hidden_states_is_refused_bef
     # what a block hands back as it was given (a mask carried through the loop) is no state of its own
     nanogpt = MODELS["zoo_nanogpt"](learning_rate=1e-3, warmup_steps=2)
     check_blocks_hand_on_one_stream(nanogpt, find_decoder_stack(nanogpt))
+
+
+class _EmbeddingsAddedBackGPT(zoo.GPT):
+    """nanoGPT whose head reads the embeddings beside the last block's output: a tensor computed before the blocks,
+    used after them."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(idx.size(1), device=idx.device)
+        embedded = self.transformer.wte(idx) + self.transformer.wpe(positions)
+        x = embedded
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x + embedded))
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class EmbeddingsAddedBack(zoo.NanoGPT):
+    def __init__(self) -> None:
+        super().__init__(learning_rate=1e-3, warmup_steps=2)
+        self.model = _EmbeddingsAddedBackGPT(zoo.GPTConfig())
+
+
+class OwnMeanUncounted(zoo.HuggingFaceFineTuning):
+    """Its loss is a mean over the labelled tokens, computed in the step, with no ``loss_tokens`` to count them."""
+
+    def __init__(self) -> None:
+        super().__init__(learning_rate=1e-3, warmup_steps=2, model_type="llama", **zoo.HF_TINY)
+
+    training_step = zoo.HuggingFaceFineTuningOwnLoss.training_step
+
+
+FIRST_STEP_REFUSED = {
+    "embeddings_added_back": (EmbeddingsAddedBack, lambda: torch.randint(0, 64, (8, 17))),
+    # padded to 24 tokens, the first batch's documents hold 8 to 24 labelled tokens
+    "own_mean_uncounted": (OwnMeanUncounted, lambda: zoo.documents(8, padded=True)),
+}
+
+
+def train_one_step(name: str) -> None:
+    module, data = FIRST_STEP_REFUSED[name]
+    seed_everything(1234)
+    collate = zoo.language_modelling_collator() if name == "own_mean_uncounted" else None
+    trainer = quiet_trainer(dict(PP2), 2, max_steps=1)
+    trainer.fit(module(), DataLoader(data(), batch_size=4, collate_fn=collate))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    ("name", "difference"),
+    [
+        ("embeddings_added_back", r"computes a loss of [\d.]+ on 2 examples of its first batch, where it computes "),
+        ("own_mean_uncounted", r"on 2 examples of its first batch does not compute what its microbatches compute"),
+    ],
+)
+def test_a_pipeline_that_would_train_differently_from_one_process_stops_at_its_first_step(
+    name: str, difference: str
+) -> None:
+    """Neither shows in the model's structure: the head reading the embeddings (the last stage holds a stand-in for
+    them, which gives zeros), and a mean over tokens lightdist cannot count, which weighs the microbatches alike.
+    The first step runs the pipeline beside a whole copy of the model, and every rank stops."""
+    first, last = pipeline_results()[f"first_step_{name}"]
+    assert first == last
+    assert re.search(difference, first), first
+    assert "the run would train differently from one process" in first
+
+
+class _HoldsItsData(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 4)
+        self.tokens = torch.arange(1000)  # its data, not a weight
+        self.tokenizer = {"pad": 0}
+
+
+def test_the_whole_copy_has_weights_of_its_own_and_shares_what_else_the_model_holds() -> None:
+    model = _HoldsItsData()
+    copied = whole_copy(model)
+    assert copied.layer is not model.layer and copied.layer.weight is not model.layer.weight
+    assert torch.equal(copied.layer.weight, model.layer.weight)
+    assert copied.tokens is model.tokens and copied.tokenizer == model.tokenizer
+    with torch.device("meta"):
+        assert whole_copy(_HoldsItsData()) is None  # too big to build on a device: no copy
