@@ -62,6 +62,15 @@ SHELL_BLOCKS = {
     "lightdist timeline runs/3d/traces": (
         "tests/test_pipeline.py::test_a_profiled_step_traces_each_stage_forward_and_backward_per_microbatch"
     ),
+    ".venv/bin/lightdist fit --config configs/tp2_zero3_cpu.yaml": (
+        "tests/test_configs.py::test_every_config_trains_on_two_cpu_ranks"
+    ),
+    ".venv/bin/lightdist verify --config configs/hf_qwen2.yaml --steps 3": (
+        "tests/test_verify.py::test_a_hugging_face_config_shrunk_trains_as_one_process"
+    ),
+    "torchrun --nproc-per-node 4 examples/plain_loop.py --tp 2\npython examples/plain_loop.py": (
+        "tests/test_examples.py::test_a_plain_pytorch_loop_over_parallelize_trains_what_one_process_trains"
+    ),
     'lightdist plan --model lightdist.models.Llama --init-args \'{"preset": "70b"}\' --tp 8\nlightdist plan --model '
     'lightdist.models.Llama --init-args \'{"preset": "70b"}\' --pp 8\nlightdist plan --config configs/3d_cpu.yaml': (
         RUN_HERE
