@@ -65,6 +65,7 @@ class PipelineCheck:
     def __call__(self, pipeline: PipelineStep, batch: Any) -> None:
         """A collective of every rank: each raises where any pipeline differs from its whole copy."""
         module = pipeline.module
+        cut_batch(batch, pipeline.microbatches)  # a batch that cannot be cut is refused as training refuses it
         probe = probe_examples(batch, pipeline.microbatches)
         verdict = None
         with unseen(module), pipeline.token_weights.set_aside():
