@@ -43,9 +43,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+from lightdist.checkpoint.storage import is_complete, remove
 from lightdist.models import Llama, TokenDataModule
 from lightdist.plugins import ParallelStrategy
-from lightdist.storage import is_complete, remove
 
 
 @dataclass

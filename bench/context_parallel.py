@@ -37,8 +37,8 @@ from ranks import free_port, join_ranks
 from torch import Tensor
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightdist.context_parallel import ContextParallel
 from lightdist.models.llama import LlamaConfig, LlamaModel
+from lightdist.parallel.context import ContextParallel
 
 METHODS = ("ring", "all_to_all")
 

@@ -32,10 +32,10 @@ from tokenizers import Tokenizer
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from lightdist.data.prepare import prepare
+from lightdist.data.token_shards import TokenShards
 from lightdist.models.data import TokenWindows
 from lightdist.models.python_docs import MODULES, train_tokenizer, write_corpus
-from lightdist.prepare import prepare
-from lightdist.token_shards import TokenShards
 
 GPU_TOKENS_PER_SECOND = 84_475  # docs/performance.md: Llama 1b, one H200, plain PyTorch + torch.compile
 

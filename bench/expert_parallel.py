@@ -10,7 +10,7 @@ gradients of both):
 
 ``--experts list`` holds each layer's experts as a list of modules that the MoE block's loop calls one by one
 (transformers 4's Mixtral, LitGPT), the same sizes and routing: under ``ep`` its block runs twice, recording and then
-replaying the expert calls (``lightdist/listed_experts.py``).
+replaying the expert calls (``lightdist/parallel/listed_experts.py``).
 
     python bench/expert_parallel.py                      # 2 ranks, ep 1 and 2
     python bench/expert_parallel.py --experts list       # the same, experts in a list

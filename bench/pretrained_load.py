@@ -39,9 +39,9 @@ from ranks import free_port, join_ranks, local_s3
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.utils.data import DataLoader
 
+from lightdist.checkpoint.pretrained import parameters_on_meta
 from lightdist.models import HuggingFaceCausalLM
 from lightdist.plugins import ParallelStrategy
-from lightdist.pretrained import parameters_on_meta
 
 WAYS = ("lightdist", "every rank", "rank 0 + broadcast")
 

@@ -60,8 +60,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightdist.models import Llama
 from lightdist.models.llama import LLAMA_PRESETS, LlamaModel
+from lightdist.plan.throughput import DecoderFlops, device_peak_flops
 from lightdist.plugins import ParallelStrategy
-from lightdist.throughput import DecoderFlops, device_peak_flops
 
 # A run's arguments: the options, the device, the data, and where one timed step of it is profiled, if it is:
 # ``profile(device)`` is the context to run that step in. It returns each step's seconds.

@@ -19,7 +19,11 @@ import sys
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
 import lightdist.plugins  # noqa: F401  (registers the strategy names before the config is parsed)
-from lightdist import export, plan, prepare, timeline, verify
+from lightdist import verify
+from lightdist.checkpoint import export
+from lightdist.data import prepare
+from lightdist.plan import command as plan
+from lightdist.plan import timeline
 
 __all__ = ["main"]
 

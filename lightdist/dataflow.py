@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightdist.structure import DecoderStack, is_projection, out_features
+from lightdist.parallel.structure import DecoderStack, is_projection, out_features
 
 __all__ = ["device_of_call", "run_first_block", "tensors_in", "trace_block_plan"]
 

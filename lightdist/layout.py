@@ -6,7 +6,7 @@ node), pipeline outermost. Sub-meshes are always taken by name, never by positio
 
 Under context parallelism ``"dp"`` holds each data-parallel rank's context-parallel peers beside it: they are the
 ranks that reduce gradients together, over which FSDP shards (torchtitan's ``dp_shard_cp``);
-``lightdist.context_parallel.context_mesh`` names them apart.
+``lightdist.parallel.context.split.context_mesh`` names them apart.
 """
 
 from __future__ import annotations

@@ -20,21 +20,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from lightdist.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
-from lightdist.context_parallel import ContextParallelMethod
-from lightdist.expert_parallel import (
+from lightdist.layout import ParallelLayout
+from lightdist.parallel.activation_checkpointing import ActivationCheckpointing, apply_activation_checkpointing
+from lightdist.parallel.context import ContextParallelMethod
+from lightdist.parallel.expert_parallel import (
     ExpertModules,
     apply_expert_parallel,
     check_expert_parallel,
     expert_mesh,
     find_experts,
 )
-from lightdist.kv_cache import without_kv_cache_in_training
-from lightdist.layout import ParallelLayout
-from lightdist.layout_probe import probe_layouts
-from lightdist.listed_experts import apply_listed_expert_parallel
-from lightdist.pipeline.schedules import PipelineSchedule, check_schedule, stages_of_rank, virtual_stages_of
-from lightdist.pipeline.structural import (
+from lightdist.parallel.kv_cache import without_kv_cache_in_training
+from lightdist.parallel.layout_probe import probe_layouts
+from lightdist.parallel.listed_experts import apply_listed_expert_parallel
+from lightdist.parallel.pipeline.schedules import PipelineSchedule, check_schedule, stages_of_rank, virtual_stages_of
+from lightdist.parallel.pipeline.structural import (
     ModelCall,
     StageModel,
     check_blocks_hand_on_one_stream,
@@ -42,8 +42,8 @@ from lightdist.pipeline.structural import (
     stage_ends,
     stage_sizes,
 )
-from lightdist.pipeline.tied import tied_across_stages, tied_names
-from lightdist.pipeline.traced import (
+from lightdist.parallel.pipeline.tied import tied_across_stages, tied_names
+from lightdist.parallel.pipeline.traced import (
     TracedInput,
     adopt_parameters,
     drop_other_stages,
@@ -51,10 +51,10 @@ from lightdist.pipeline.traced import (
     trace_stages,
     traced_stage_sizes,
 )
-from lightdist.pipeline.whole_copy import whole_copy
-from lightdist.sharding import ZeroStage, apply_data_parallel
-from lightdist.structure import DecoderStack, find_decoder_stack, find_repeated_blocks
-from lightdist.tensor_parallel import TensorParallelStyle, apply_tensor_parallel, discover_plan
+from lightdist.parallel.pipeline.whole_copy import whole_copy
+from lightdist.parallel.sharding import ZeroStage, apply_data_parallel
+from lightdist.parallel.structure import DecoderStack, find_decoder_stack, find_repeated_blocks
+from lightdist.parallel.tensor_parallel import TensorParallelStyle, apply_tensor_parallel, discover_plan
 
 __all__ = ["ModelHolder", "ParallelConfig", "Parallelized", "materialize", "parallelize"]
 
@@ -100,10 +100,10 @@ class ParallelConfig:
         param_dtype: The compute dtype of mixed precision, which ZeRO gathers parameters in.
         expert_parallel_size: Data-parallel ranks that split each MoE layer's experts between them (``ep``, which
             divides ``data_parallel_size`` and the number of experts); tokens travel to their experts and back by
-            all-to-all (``lightdist.expert_parallel``). 1: every rank holds every expert.
+            all-to-all (``lightdist.parallel.expert_parallel``). 1: every rank holds every expert.
         context_parallel_method: How attention spans a sequence split over ``context_parallel_size`` ranks
-            (``lightdist.context_parallel``): ``"ring"`` passes key/value blocks around the ranks (any head count),
-            ``"all_to_all"`` deals the heads out and gathers the sequence (DeepSpeed's Ulysses), ``"auto"`` the
+            (``lightdist.parallel.context.split``): ``"ring"`` passes key/value blocks around the ranks (any head
+            count), ``"all_to_all"`` deals the heads out and gathers the sequence (DeepSpeed's Ulysses), ``"auto"`` the
             latter where the heads divide among the ranks.
     """
 
@@ -559,7 +559,7 @@ def _split_experts(
     config: ParallelConfig,
     report: Callable[[str], Any],
 ) -> _SplitExperts:
-    """Deal each MoE layer's experts out over the ``ep`` ranks (``lightdist.expert_parallel``)."""
+    """Deal each MoE layer's experts out over the ``ep`` ranks (``lightdist.parallel.expert_parallel``)."""
     if experts is None:
         return _SplitExperts([], None)
     ep = config.expert_parallel_size

@@ -1,7 +1,7 @@
 """Lightning learns lightdist's strategy names as it loads, whichever of the two is imported first.
 
 ``import lightdist`` does not load Lightning: the core (``lightdist.parallelize`` in a plain training loop,
-``lightdist.storage`` in a checkpoint tool) runs without it. Yet ``import lightdist`` followed by
+``lightdist.checkpoint.storage`` in a checkpoint tool) runs without it. Yet ``import lightdist`` followed by
 ``Trainer(strategy="lightdist_3d")`` must work, and import sorting puts ``lightdist`` before ``lightning``. So where
 Lightning is not loaded yet, the import system is asked to load ``lightdist.plugins``, which registers the names, right
 after it has loaded ``lightning.pytorch``.

@@ -1,5 +1,5 @@
 """Token data: a corpus prepared by ``lightdist prepare`` or a flat file of token ids, read by range from any fsspec
-URL (lightdist/token_shards.py), or a learnable arithmetic corpus made on the spot.
+URL (lightdist/data/token_shards.py), or a learnable arithmetic corpus made on the spot.
 
 Samples are windows of ``seq_len + 1`` tokens at stride ``seq_len``, so every token is a target exactly once.
 Under lightdist the sampler shards windows by data-parallel rank only.
@@ -16,10 +16,10 @@ from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from lightdist.mixture import Mixture
-from lightdist.prepare import load_tokenizer
-from lightdist.token_shards import TokenShards
-from lightdist.vocabulary import check_vocabulary
+from lightdist.data.mixture import Mixture
+from lightdist.data.prepare import load_tokenizer
+from lightdist.data.token_shards import TokenShards
+from lightdist.data.vocabulary import check_vocabulary
 
 __all__ = ["ARITHMETIC_ALPHABET", "TokenDataModule", "TokenWindows", "arithmetic_corpus"]
 

@@ -2,8 +2,8 @@
 
 ``config`` builds a randomly initialised model (``model_type`` picks the family). ``pretrained`` names a
 ``save_pretrained`` directory, a path or any fsspec URL (``s3://``, ``gs://``): the model is built with its parameters
-on the meta device and filled once split, each rank reading only its own shards' bytes (``lightdist.pretrained``);
-under any other strategy, whole in ``configure_model``.
+on the meta device and filled once split, each rank reading only its own shards' bytes
+(``lightdist.checkpoint.pretrained``); under any other strategy, whole in ``configure_model``.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any
 from fsspec.core import url_to_fs
 from torch import Tensor
 
+from lightdist.checkpoint.pretrained import PretrainedWeights, load_pretrained, parameters_on_meta
+from lightdist.checkpoint.storage import storage_fix
 from lightdist.models.lm import CausalLM
 from lightdist.parallelize import materialize
-from lightdist.pretrained import PretrainedWeights, load_pretrained, parameters_on_meta
-from lightdist.storage import storage_fix
 
 __all__ = ["STATE_DICT_PREFIX", "HuggingFaceCausalLM", "pretrained_config"]
 

@@ -16,10 +16,10 @@ import torch
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 
 from lightdist.layout import ParallelLayout
+from lightdist.parallel.pipeline.schedules import check_microbatch_rounds
 from lightdist.parallelize import ParallelConfig
-from lightdist.pipeline.schedules import check_microbatch_rounds
-from lightdist.planner import Cluster, Estimate, GiB, ModelShape, choose_layout
-from lightdist.throughput import device_peak_flops
+from lightdist.plan.planner import Cluster, Estimate, GiB, ModelShape, choose_layout
+from lightdist.plan.throughput import device_peak_flops
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

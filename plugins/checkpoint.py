@@ -13,8 +13,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint as _LightningModelCheckp
 from torch import Tensor
 from typing_extensions import override
 
+from lightdist.checkpoint.storage import check_writable, is_complete
 from lightdist.plugins.strategy import ParallelStrategy
-from lightdist.storage import check_writable, is_complete
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

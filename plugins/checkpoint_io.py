@@ -3,7 +3,8 @@
 Every rank writes its own shards of the model and optimizer state straight to a path or any fsspec URL (s3://,
 gs://), in torch's distributed checkpoint format; rank 0 then commits Lightning's metadata beside them, so a checkpoint
 is either complete or ignored. Saves during ``fit`` go on behind training once staged in CPU memory
-(``lightdist.async_checkpoint``). Loading reshards: the model may be split another way than the run that saved it.
+(``lightdist.checkpoint.async_checkpoint``). Loading reshards: the model may be split another way than the run that
+saved it.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightdist.async_checkpoint import AsyncMode, CheckpointSaver
-from lightdist.storage import check_same_model, load_sharded, read_metadata, resolve
-from lightdist.tensor_parallel import reorder_optimizer_state
+from lightdist.checkpoint.async_checkpoint import AsyncMode, CheckpointSaver
+from lightdist.checkpoint.storage import check_same_model, load_sharded, read_metadata, resolve
+from lightdist.parallel.tensor_parallel import reorder_optimizer_state
 
 __all__ = ["ShardedCheckpointIO"]
 

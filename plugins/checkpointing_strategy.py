@@ -17,14 +17,14 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightdist.async_checkpoint import AsyncMode, buffers_copied
+from lightdist.checkpoint.async_checkpoint import AsyncMode, buffers_copied
+from lightdist.parallel.tensor_parallel import reorder_optimizer_state
 from lightdist.parallelize import ParallelConfig, Parallelized
 from lightdist.plugins.auto_layout import LayoutRequest
 from lightdist.plugins.checkpoint_io import ShardedCheckpointIO
 from lightdist.plugins.mesh_strategy import MeshStrategy
 from lightdist.plugins.rank_state import deal_samples_in_turn, gather_rank_states, set_epoch_to_train, take_rank_state
-from lightdist.rng import set_rng_state
-from lightdist.tensor_parallel import reorder_optimizer_state
+from lightdist.resilience.rng import set_rng_state
 
 __all__ = ["CheckpointingStrategy"]
 

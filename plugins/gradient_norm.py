@@ -12,8 +12,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from lightdist.listed_experts import experts_held_apart
-from lightdist.pipeline.structural import clip_grads, grad_norm_across_stages
+from lightdist.parallel.listed_experts import experts_held_apart
+from lightdist.parallel.pipeline.structural import clip_grads, grad_norm_across_stages
 from lightdist.plugins.pipeline_step import PipelineStep
 
 __all__ = ["GradientNorm"]

@@ -4,8 +4,8 @@
 soon as the Trainer knows its devices, before any process starts; the processes meet in their start's round of the
 store (a restarted rank cannot meet a rank of the start before); every group waits ``collective_timeout``; each rank
 beats a heartbeat into the store, so the rank a collective timed out on is named; the rank that failed first prints
-its traceback, the others one line each (``lightdist/failures.py``); ``sync_dist`` reduces over the data-parallel
-ranks, who alone see different batches.
+its traceback, the others one line each (``lightdist/resilience/failures.py``); ``sync_dist`` reduces over the
+data-parallel ranks, who alone see different batches.
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
-from lightdist.context_parallel import ContextParallel, context_parallel_over
-from lightdist.expert_parallel import check_expert_layout
-from lightdist.failures import FailureReport
-from lightdist.heartbeat import Heartbeat, name_the_silent_rank, store_on_rank_zero
 from lightdist.layout import ParallelLayout, ParallelMesh
+from lightdist.parallel.context import ContextParallel, context_parallel_over
+from lightdist.parallel.expert_parallel import check_expert_layout
 from lightdist.parallelize import ParallelConfig
 from lightdist.plugins.auto_layout import LayoutRequest
 from lightdist.plugins.lightning_internals import give_device_mesh
 from lightdist.plugins.resume import ResumesLast, resuming_launcher
-from lightdist.restarts import nodes_started_by_torchrun, round_store
+from lightdist.resilience.failures import FailureReport
+from lightdist.resilience.heartbeat import Heartbeat, name_the_silent_rank, store_on_rank_zero
+from lightdist.resilience.restarts import nodes_started_by_torchrun, round_store
 from lightdist.torch_internals import set_group_timeout
 
 __all__ = ["MeshStrategy"]

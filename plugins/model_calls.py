@@ -13,7 +13,7 @@ from typing import Any
 from lightning.pytorch import LightningModule
 from torchmetrics import Metric
 
-from lightdist.pipeline.structural import ModelCall
+from lightdist.parallel.pipeline.structural import ModelCall
 from lightdist.plugins.metric_sync import load_metric_states, metric_states
 from lightdist.plugins.token_weights import logging_to
 

@@ -22,11 +22,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightdist.expert_load import ExpertLoad, imbalance_metrics, wandb_histograms
-from lightdist.pipeline.structural import total_norm
+from lightdist.parallel.expert_load import ExpertLoad, imbalance_metrics, wandb_histograms
+from lightdist.parallel.pipeline.structural import total_norm
+from lightdist.parallel.sharding import local_tensor
+from lightdist.plan.throughput import DecoderFlops, device_peak_flops
 from lightdist.plugins.strategy import ParallelStrategy
-from lightdist.sharding import local_tensor
-from lightdist.throughput import DecoderFlops, device_peak_flops
 
 __all__ = ["TrainingMonitor", "gradient_norm", "sequences_and_length"]
 

@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
-from lightdist.sharding import local_tensor
+from lightdist.parallel.sharding import local_tensor
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightdist.async_checkpoint import AsyncMode
+from lightdist.checkpoint.async_checkpoint import AsyncMode
+from lightdist.checkpoint.storage import reject_credentials
+from lightdist.parallel.pipeline.schedules import check_microbatch_rounds
 from lightdist.parallelize import ParallelConfig
-from lightdist.pipeline.schedules import check_microbatch_rounds
 from lightdist.plugins.auto_layout import LayoutRequest
 from lightdist.plugins.non_finite import NonFinitePolicy
 from lightdist.plugins.token_weights import LossWeighting
-from lightdist.storage import reject_credentials
 
 __all__ = ["validate_options"]
 

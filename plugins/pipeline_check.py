@@ -1,13 +1,14 @@
 """A pipeline proves itself on the user's step, at its first training step, against a whole copy of the model.
 
 Stages cut by structure run what the model's forward does inside its block loop, and refuse what they see go wrong
-(``lightdist.pipeline.structural``). Two things they cannot see train differently from one process without an error:
-a forward that uses, after its blocks, a tensor computed before them (the last stage holds a stand-in for it), and a
+(``lightdist.parallel.pipeline.structural``). Two things they cannot see train differently from one process without an
+error: a forward that uses, after its blocks, a tensor computed before them (the last stage holds a stand-in for it),
+and a
 step whose loss over a batch is not its microbatches' losses weighed as the pipeline weighs them (a mean over tokens
 lightdist cannot count weighs the microbatches alike, where one process weighs their tokens). So at the first
 training step, on a few examples of its batch (those whose labelled tokens differ most), the pipeline runs the step
 as an evaluation, and the last stage runs it on a whole copy of the model holding the stages' weights
-(``lightdist.pipeline.whole_copy``): once over all the examples and once per microbatch, for the loss and the
+(``lightdist.parallel.pipeline.whole_copy``): once over all the examples and once per microbatch, for the loss and the
 gradients. At initialization every token's loss is alike, so a mean weighed wrong shows in the gradients only.
 """
 
@@ -23,9 +24,9 @@ from lightning.pytorch import LightningModule
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-from lightdist.loss_tokens import IGNORE_INDEX
-from lightdist.pipeline.microbatches import cut_batch, examples_in
-from lightdist.pipeline.whole_copy import load_stage_weights
+from lightdist.parallel.loss_tokens import IGNORE_INDEX
+from lightdist.parallel.pipeline.microbatches import cut_batch, examples_in
+from lightdist.parallel.pipeline.whole_copy import load_stage_weights
 from lightdist.plugins.steps import unseen
 
 if TYPE_CHECKING:

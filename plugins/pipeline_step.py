@@ -43,14 +43,14 @@ from torch.optim import Optimizer
 from torch.profiler import record_function
 from torchmetrics import Metric
 
-from lightdist.context_parallel_check import tolerance
 from lightdist.dataflow import tensors_in
-from lightdist.loss_tokens import labelled_tokens, shares
+from lightdist.parallel.context import tolerance
+from lightdist.parallel.loss_tokens import labelled_tokens, shares
+from lightdist.parallel.pipeline.microbatches import cut_batch
+from lightdist.parallel.pipeline.schedules import SCHEDULES
+from lightdist.parallel.pipeline.structural import MicrobatchCalls, ModelCall
+from lightdist.parallel.pipeline.tied import TiedGradients, tied_gradients
 from lightdist.parallelize import ParallelConfig, Parallelized
-from lightdist.pipeline.microbatches import cut_batch
-from lightdist.pipeline.schedules import SCHEDULES
-from lightdist.pipeline.structural import MicrobatchCalls, ModelCall
-from lightdist.pipeline.tied import TiedGradients, tied_gradients
 from lightdist.plugins.lightning_internals import data_source
 from lightdist.plugins.metric_sync import load_metric_states, metric_states, metrics_of
 from lightdist.plugins.model_calls import answering_model_calls, model_call_of
@@ -231,7 +231,7 @@ class PipelineStep:
 
     def __call__(self, step_name: str, batch: Any, batch_idx: int, *, train: bool, loss_scale: float = 1.0) -> Tensor:
         """The step's loss over the batch: the microbatches' losses, each weighted by its share of the batch's tokens
-        where they can be counted (``lightdist.loss_tokens``), else alike. Backward runs on each weighted loss
+        where they can be counted (``lightdist.parallel.loss_tokens``), else alike. Backward runs on each weighted loss
         multiplied by ``loss_scale`` (Lightning's 1/accumulate_grad_batches, which it applies to a loss before its own
         backward) and by the batch's weight among the data-parallel ranks' and the accumulation's batches."""
         self._loss_scale = loss_scale

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DistributedSampler
 
 from lightdist.layout import ParallelLayout
-from lightdist.rng import rng_state
+from lightdist.resilience.rng import rng_state
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -21,9 +21,9 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightdist.checkpoint.storage import checkpoints_under
 from lightdist.plugins.lightning_internals import SubprocessScriptLauncher, last_checkpoints_found_by
 from lightdist.plugins.progress import adopt_progress_bar
-from lightdist.storage import checkpoints_under
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -2,7 +2,7 @@
 
 A step runs on the rank's batch, or under context parallelism on its share of each of the batch's sequences (after
 the step of each kind has shown, at its first run, that it computes the whole sequences' loss and gradients that way:
-``lightdist.context_parallel_check``; under a pipeline too, unless its stages were traced from a rank's share), under
+``lightdist.parallel.context.check``; under a pipeline too, unless its stages were traced from a rank's share), under
 a pipeline through the schedule; its loss is weighed by its labelled tokens (``token_weights.py``), and computed under
 loss parallelism where asked.
 """
@@ -19,9 +19,8 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
-from lightdist.context_parallel import ContextParallel
-from lightdist.context_parallel_check import check_split_step, parameters_of, probe_prefix, tolerance
-from lightdist.loss_parallel import vocab_parallel_cross_entropy
+from lightdist.parallel.context import ContextParallel, check_split_step, parameters_of, probe_prefix, tolerance
+from lightdist.parallel.loss_parallel import vocab_parallel_cross_entropy
 from lightdist.plugins.metric_sync import load_metric_states, metric_states, metrics_of
 from lightdist.plugins.token_weights import TokenWeights, logging_to
 

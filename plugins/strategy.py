@@ -22,12 +22,16 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightdist.activation_checkpointing import ActivationCheckpointing
-from lightdist.async_checkpoint import AsyncMode
-from lightdist.context_parallel import ContextParallelMethod
+from lightdist.checkpoint.async_checkpoint import AsyncMode
+from lightdist.checkpoint.pretrained import PretrainedLoad, PretrainedWeights, check_pretrained, load_pretrained
+from lightdist.checkpoint.storage import configure, resolve
+from lightdist.parallel.activation_checkpointing import ActivationCheckpointing
+from lightdist.parallel.context import ContextParallelMethod
+from lightdist.parallel.pipeline.schedules import PipelineSchedule
+from lightdist.parallel.pipeline.traced import share_model_buffers
+from lightdist.parallel.sharding import ShardedOptimizer, ZeroStage, optimizer_states_to, step_mixed_meshes_per_tensor
+from lightdist.parallel.tensor_parallel import TensorParallelStyle
 from lightdist.parallelize import ModelHolder, ParallelConfig, materialize, parallelize
-from lightdist.pipeline.schedules import PipelineSchedule
-from lightdist.pipeline.traced import share_model_buffers
 from lightdist.plugins.auto_layout import LayoutRequest
 from lightdist.plugins.checkpointing_strategy import CheckpointingStrategy
 from lightdist.plugins.gradient_norm import GradientNorm
@@ -40,16 +44,12 @@ from lightdist.plugins.run_header import announce_run
 from lightdist.plugins.steps import Steps
 from lightdist.plugins.strategy_names import STRATEGY_NAMES
 from lightdist.plugins.token_weights import LossWeighting, TokenWeights
-from lightdist.pretrained import PretrainedLoad, PretrainedWeights, check_pretrained, load_pretrained
-from lightdist.sharding import ShardedOptimizer, ZeroStage, optimizer_states_to, step_mixed_meshes_per_tensor
-from lightdist.storage import configure, resolve
-from lightdist.tensor_parallel import TensorParallelStyle
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightdist.planner import Estimate
+    from lightdist.plan.planner import Estimate
 
 __all__ = ["ParallelStrategy"]
 
@@ -71,8 +71,9 @@ class ParallelStrategy(CheckpointingStrategy):
         context_parallel_size: Ranks that split each sequence, attention still over all of it (``context_parallel``).
         pretrained, pretrained_prefix: A Hugging Face checkpoint directory (``save_pretrained``, a path or any fsspec
             URL) the run starts from: once split, the model is filled from it, each rank reading only its shards'
-            bytes (``lightdist.pretrained``; a resume reads the run's own checkpoint instead). The checkpoint's names
-            are those of the parameters under ``pretrained_prefix``, e.g. ``"model"`` for ``self.model``. A
+            bytes (``lightdist.checkpoint.pretrained``; a resume reads the run's own checkpoint instead). The
+            checkpoint's names are those of the parameters under ``pretrained_prefix``, e.g. ``"model"`` for
+            ``self.model``. A
             ``PretrainedWeights`` in place of the URL also lists new weights and maps other names.
         async_checkpoint: How checkpoints saved during ``fit`` upload behind training once staged in CPU memory:
             ``"process"`` (DCP's daemon process per rank, free of the training process's GIL), ``"thread"``, or

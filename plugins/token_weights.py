@@ -4,7 +4,7 @@ One process stepping on a global batch of padded documents averages its loss ove
 Split over data-parallel ranks, each rank averages over its own tokens and the ranks' gradients are averaged alike;
 under ``accumulate_grad_batches`` Lightning averages the batches' losses alike too. That is a mean of means, not the
 global batch's mean, wherever ranks or batches hold different numbers of tokens. Where lightdist can count a step's
-tokens (``lightdist.loss_tokens``: a Hugging Face causal LM called with ``labels=``, or the module's own
+tokens (``lightdist.parallel.loss_tokens``: a Hugging Face causal LM called with ``labels=``, or the module's own
 ``loss_tokens(batch)``; under context parallelism, the labels of the step's one mean cross-entropy), it weighs by
 them, as Megatron and transformers' ``num_items_in_batch`` do:
 
@@ -35,8 +35,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from lightdist.context_parallel import ContextParallel
-from lightdist.loss_tokens import is_causal_lm, labelled_tokens
+from lightdist.parallel.context import ContextParallel
+from lightdist.parallel.loss_tokens import is_causal_lm, labelled_tokens
 
 __all__ = ["LossWeighting", "TokenWeights", "logging_to", "weighing_rule"]
 

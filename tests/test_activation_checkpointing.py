@@ -13,8 +13,8 @@ from torch import Tensor, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.functional import scaled_dot_product_attention
 
-from lightdist.activation_checkpointing import apply_activation_checkpointing, attention_ops
-from lightdist.structure import find_decoder_stack
+from lightdist.parallel.activation_checkpointing import apply_activation_checkpointing, attention_ops
+from lightdist.parallel.structure import find_decoder_stack
 
 from multirank import run_ranks
 from training import MODELS, WEIGHT_ATOL, Case, References, Result, train_cases

@@ -12,7 +12,7 @@ from lightning.pytorch import Trainer
 from lightdist.layout import ParallelLayout
 from lightdist.models import Llama, TokenDataModule
 from lightdist.parallelize import ParallelConfig
-from lightdist.planner import Cluster, GiB, ModelShape, choose_layout
+from lightdist.plan.planner import Cluster, GiB, ModelShape, choose_layout
 from lightdist.plugins.auto_layout import device_memory_gib, planned_layout
 
 from multirank import run_ranks

@@ -14,10 +14,10 @@ from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 
 from lightdist.models import Llama, TokenDataModule
-from lightdist.pipeline.structural import MicrobatchCalls, ModelCall, StageModel, keep_stages
+from lightdist.parallel.pipeline.structural import MicrobatchCalls, ModelCall, StageModel, keep_stages
+from lightdist.parallel.structure import find_decoder_stack
 from lightdist.plugins import ParallelStrategy
 from lightdist.plugins.metric_sync import refuse_metrics_on_meta
-from lightdist.structure import find_decoder_stack
 
 from multirank import raised, run_each, run_ranks
 from training import MODELS, TwoStreamLM

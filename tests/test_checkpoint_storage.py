@@ -19,9 +19,16 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.utils.data import DataLoader
 
+from lightdist.checkpoint.storage import (
+    UnsafeCheckpointError,
+    commit,
+    remove,
+    resolve,
+    saved_model_tensors,
+    write_pointer,
+)
 from lightdist.plugins import ModelCheckpoint, ParallelStrategy
 from lightdist.plugins.resume import newest_complete_checkpoint
-from lightdist.storage import UnsafeCheckpointError, commit, remove, resolve, saved_model_tensors, write_pointer
 
 from multirank import raised, run_ranks
 from training import MODELS, Case, Result, StopAfter, train

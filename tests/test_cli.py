@@ -15,9 +15,9 @@ import pytest
 import yaml
 from lightning.pytorch import Trainer
 
+from lightdist.checkpoint.storage import resolve
 from lightdist.cli import COMMANDS, main
 from lightdist.models import Llama
-from lightdist.storage import resolve
 
 from training import checkpoint_files, shard_files
 from wandb_offline import offline_run_config, offline_run_history

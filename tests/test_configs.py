@@ -15,10 +15,10 @@ import fsspec
 import pytest
 from fsspec import AbstractFileSystem
 
+from lightdist.checkpoint.storage import resolve
 from lightdist.cli import main
+from lightdist.data.prepare import prepare
 from lightdist.models.python_docs import MODULES, train_tokenizer, write_corpus
-from lightdist.prepare import prepare
-from lightdist.storage import resolve
 
 from multirank import run_each, run_ranks
 from training import checkpoint_files

@@ -23,13 +23,13 @@ import transformers
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightdist.activation_checkpointing import apply_activation_checkpointing
-from lightdist.context_parallel import ContextParallel, load_balanced_positions
-from lightdist.loss_tokens import labelled_tokens
 from lightdist.models import Llama
-from lightdist.pipeline.traced import trace_stages
-from lightdist.planner import Cluster, Layout, ModelShape, Training, estimate
-from lightdist.sequence_shard import SequenceShard
+from lightdist.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightdist.parallel.context.sequence_shard import SequenceShard
+from lightdist.parallel.context.split import ContextParallel, load_balanced_positions
+from lightdist.parallel.loss_tokens import labelled_tokens
+from lightdist.parallel.pipeline.traced import trace_stages
+from lightdist.plan.planner import Cluster, Layout, ModelShape, Training, estimate
 
 from multirank import raised, run_ranks
 from zoo import GPT, HF_TINY, CausalSelfAttention, GPTConfig

@@ -1,7 +1,7 @@
 """A step written any way a user writes it trains under context parallelism as one process trains it, or stops with an
 error at its first run: each kind of step is run once on whole sequences and once split, and must agree
-(``lightdist/context_parallel_check.py``); a mean over tokens written in the step is counted as Hugging Face's loss is
-(``lightdist/token_means.py``).
+(``lightdist/parallel/context/check.py``); a mean over tokens written in the step is counted as Hugging Face's loss is
+(``lightdist/parallel/context/token_means.py``).
 
 Each step below is a way people write one, grouped by what it does with the sequence: a mean over its tokens,
 a shift, a write into the labels, positions from a table, a reduction or one position of each sequence.
@@ -19,7 +19,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightdist.context_parallel_check import probe_prefix
+from lightdist.parallel.context import probe_prefix
 from lightdist.plugins import ParallelStrategy
 
 from multirank import run_ranks, run_ranks_beside

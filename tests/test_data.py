@@ -31,10 +31,10 @@ from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightdist.cli import main
+from lightdist.data.prepare import prepare
+from lightdist.data.token_shards import TokenShards
 from lightdist.models.data import TokenDataModule, TokenWindows
 from lightdist.models.python_docs import train_tokenizer, write_corpus
-from lightdist.prepare import prepare
-from lightdist.token_shards import TokenShards
 
 from faulty_storage import FaultyStorage
 from multirank import raised, run_each, run_ranks

@@ -20,10 +20,10 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 from torch import nn
 
-from lightdist.expert_load import ExpertLoad
-from lightdist.expert_parallel import find_experts
-from lightdist.listed_experts import ExpertList
 from lightdist.models import Llama, MoELlama, TokenDataModule
+from lightdist.parallel.expert_load import ExpertLoad
+from lightdist.parallel.expert_parallel import find_experts
+from lightdist.parallel.listed_experts import ExpertList
 from lightdist.plugins import ParallelStrategy, TrainingMonitor, WandbLogger
 
 from multirank import run_ranks

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from test_pretrained import filled
 from transformers import AutoModelForCausalLM
 
+from lightdist.checkpoint.export import consolidate, export
 from lightdist.cli import main
-from lightdist.export import consolidate, export
 
 from multirank import run_ranks
 from training import MODELS, Case, Result, merge_stages, train

@@ -14,8 +14,8 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from lightdist.models import GPT2
-from lightdist.structure import find_decoder_stack
-from lightdist.tensor_parallel import discover_plan
+from lightdist.parallel.structure import find_decoder_stack
+from lightdist.parallel.tensor_parallel import discover_plan
 
 from multirank import run_ranks, split_over_two_ranks
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightdist.context_parallel import ContextParallel
+from lightdist.parallel.context import ContextParallel
 
 import training
 from multirank import run_ranks

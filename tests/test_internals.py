@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 from torchmetrics import MeanMetric
 
 from lightdist import torch_internals
+from lightdist.parallel.sharding import optimizer_states_to
 from lightdist.parallelize import materialize
 from lightdist.plugins import lightning_internals
 from lightdist.plugins.lightning_internals import (
@@ -32,7 +33,6 @@ from lightdist.plugins.lightning_internals import (
     skip_lightning_backward,
 )
 from lightdist.plugins.pipeline_step import batch_on_device, optimizer_steps_after
-from lightdist.sharding import optimizer_states_to
 from lightdist.torch_internals import (
     is_view,
     ring_attention_backward,

@@ -16,10 +16,10 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightdist.layout_probe import probe_layouts
-from lightdist.plan import format_plan
-from lightdist.structure import find_decoder_stack
-from lightdist.tensor_parallel import apply_tensor_parallel, discover_plan
+from lightdist.parallel.layout_probe import probe_layouts
+from lightdist.parallel.structure import find_decoder_stack
+from lightdist.parallel.tensor_parallel import apply_tensor_parallel, discover_plan
+from lightdist.plan.command import format_plan
 
 from multirank import raised, run_ranks
 from training import MODELS

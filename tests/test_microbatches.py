@@ -10,8 +10,8 @@ import pytest
 import torch
 import transformers
 
-from lightdist.loss_tokens import labelled_tokens, shares
-from lightdist.pipeline.microbatches import cut_batch, examples_in
+from lightdist.parallel.loss_tokens import labelled_tokens, shares
+from lightdist.parallel.pipeline.microbatches import cut_batch, examples_in
 
 
 def rows(count: int, width: int = 3) -> torch.Tensor:

@@ -17,9 +17,9 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.distributed.tensor import DTensor
 
 from lightdist.models import Llama, TokenDataModule
+from lightdist.plan.throughput import DecoderFlops
 from lightdist.plugins import ModelCheckpoint, ParallelStrategy, TrainingMonitor
 from lightdist.plugins.monitor import sequences_and_length
-from lightdist.throughput import DecoderFlops
 
 from multirank import run_ranks
 from training import SequentialBlocksLM

@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from lightdist import async_checkpoint
+from lightdist.checkpoint import async_checkpoint
 from lightdist.models import TokenDataModule
 from lightdist.plugins import ModelCheckpoint, NonFiniteError, ParallelStrategy
 

@@ -55,7 +55,7 @@ def test_wheel_exposes_only_lightdist(tmp_path: Path) -> None:
 
 CORE_WITHOUT_LIGHTNING = """
 import sys
-import lightdist.parallelize, lightdist.storage
+import lightdist.parallelize, lightdist.checkpoint.storage
 assert not any(name.split(".")[0] == "lightning" for name in sys.modules), "the core loaded Lightning"
 """
 
@@ -93,6 +93,6 @@ def test_the_checkpoint_metadata_file_is_where_lightning_keeps_it() -> None:
     """Pins the one private name of Lightning's the storage layer copies, so an upgrade that moves it fails here."""
     from lightning.fabric.utilities.load import _METADATA_FILENAME
 
-    from lightdist.storage import LIGHTNING_METADATA_FILENAME
+    from lightdist.checkpoint.storage import LIGHTNING_METADATA_FILENAME
 
     assert LIGHTNING_METADATA_FILENAME == _METADATA_FILENAME

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from lightdist.cli import main
 from lightdist.models import Llama, TokenDataModule
-from lightdist.pipeline.structural import (
+from lightdist.parallel.pipeline.structural import (
     MicrobatchCalls,
     ModelCall,
     StageModel,
@@ -28,11 +28,11 @@ from lightdist.pipeline.structural import (
     keep_stages,
     stage_ends,
 )
-from lightdist.pipeline.whole_copy import whole_copy
+from lightdist.parallel.pipeline.whole_copy import whole_copy
+from lightdist.parallel.structure import find_decoder_stack
+from lightdist.plan.timeline import stage_spans
 from lightdist.plugins import ParallelStrategy, ProfileSteps
 from lightdist.plugins.model_calls import model_call_of
-from lightdist.structure import find_decoder_stack
-from lightdist.timeline import stage_spans
 
 import zoo
 from multirank import raised, run_each, run_ranks, run_ranks_beside

@@ -19,7 +19,7 @@ from lightdist.cli import main
 from lightdist.layout import ParallelLayout
 from lightdist.models import Llama, MoELlama, TokenDataModule
 from lightdist.models.llama import LLAMA_PRESETS
-from lightdist.planner import Cluster, GiB, Layout, ModelShape, Training, estimate
+from lightdist.plan.planner import Cluster, GiB, Layout, ModelShape, Training, estimate
 from lightdist.plugins import ParallelStrategy
 
 from multirank import run_ranks

@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.utils.data import DataLoader
 
 from lightdist.models import HuggingFaceCausalLM
+from lightdist.parallel.sharding import local_tensor
 from lightdist.plugins import ParallelStrategy
 from lightdist.pretrained import PretrainedWeights
-from lightdist.sharding import local_tensor
 from lightdist.verify import ShardedOrder
 
 from multirank import raised, run_ranks

@@ -14,7 +14,7 @@ import torch
 
 from lightdist.layout import ParallelLayout
 from lightdist.plugins.rank_state import take_rank_state
-from lightdist.rng import rng_state
+from lightdist.resilience.rng import rng_state
 
 
 def saved_mid_epoch(

@@ -6,7 +6,7 @@ import pytest
 from torch import nn
 
 from lightdist.models import GPT2, Llama
-from lightdist.structure import find_decoder_stack
+from lightdist.parallel.structure import find_decoder_stack
 
 from training import MODELS
 

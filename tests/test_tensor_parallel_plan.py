@@ -6,8 +6,8 @@ import pytest
 from torch import nn
 
 from lightdist.models import GPT2, Llama
-from lightdist.structure import find_decoder_stack
-from lightdist.tensor_parallel import check_divisible, discover_plan
+from lightdist.parallel.structure import find_decoder_stack
+from lightdist.parallel.tensor_parallel import check_divisible, discover_plan
 
 from training import MODELS, UnknownFamilyLM
 

@@ -9,19 +9,19 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightdist.activation_checkpointing import apply_activation_checkpointing
-from lightdist.context_parallel_mode import TRACED_CALLS
 from lightdist.models import Llama
-from lightdist.pipeline.structural import MicrobatchCalls, ModelCall
-from lightdist.pipeline.traced import (
+from lightdist.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightdist.parallel.context.mode import TRACED_CALLS
+from lightdist.parallel.context.traced_calls import as_called
+from lightdist.parallel.pipeline.structural import MicrobatchCalls, ModelCall
+from lightdist.parallel.pipeline.traced import (
     TracedInput,
     drop_other_stages,
     modules_around_blocks,
     trace_stages,
     traced_stage_sizes,
 )
-from lightdist.structure import find_decoder_stack, find_repeated_blocks
-from lightdist.traced_calls import as_called
+from lightdist.parallel.structure import find_decoder_stack, find_repeated_blocks
 
 from training import HeldSequentialLM, SequentialBlocksLM, TwoStreamLM
 from zoo import GPTLanguageModel, LectureGPT

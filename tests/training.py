@@ -32,13 +32,13 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import DataLoader, Dataset
 
-from lightdist.async_checkpoint import WRITER_THREADS
+from lightdist.checkpoint.async_checkpoint import WRITER_THREADS
+from lightdist.data.prepare import prepare
 from lightdist.models import GPT2, HuggingFaceCausalLM, Llama, MoELlama, TokenDataModule
 from lightdist.models.data import ARITHMETIC_ALPHABET, arithmetic_corpus
 from lightdist.models.lm import CausalLM
-from lightdist.pipeline.microbatches import examples_in
+from lightdist.parallel.pipeline.microbatches import examples_in
 from lightdist.plugins import ModelCheckpoint, ParallelStrategy, TrainingMonitor
-from lightdist.prepare import prepare
 from lightdist.verify import ShardedOrder
 
 import zoo

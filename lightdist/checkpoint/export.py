@@ -24,7 +24,7 @@ from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
 
-from lightdist.storage import read_metadata, reader, resolve, saved_model_tensors
+from lightdist.checkpoint.storage import read_metadata, reader, resolve, saved_model_tensors
 
 __all__ = ["consolidate", "export", "main"]
 

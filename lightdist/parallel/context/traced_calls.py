@@ -4,7 +4,7 @@ Context parallelism recognises positions, attention and what it must refuse by t
 (``torch.arange``, ``F.scaled_dot_product_attention``, ``scores.softmax(-1)``). A traced stage runs what
 ``torch.export`` recorded instead: ``aten.arange.default``, ``aten.softmax.int``. Each such op is the schema of the
 ``torch`` function of its name, so that function takes the op's arguments as they are. (Slices, recorded one dimension
-at a time, are written back as the model's indexing when the stage is cut: ``lightdist.pipeline.traced``.)
+at a time, are written back as the model's indexing when the stage is cut: ``lightdist.parallel.pipeline.traced``.)
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightdist.sharding import local_tensor
-from lightdist.structure import DecoderStack
+from lightdist.parallel.sharding import local_tensor
+from lightdist.parallel.structure import DecoderStack
 
 __all__ = ["TiedGradients", "tied_across_stages", "tied_gradients", "tied_names"]
 

@@ -16,11 +16,11 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightdist.dataflow import tensors_in
-from lightdist.loss_tokens import IGNORE_INDEX
+from lightdist.parallel.loss_tokens import IGNORE_INDEX
 from lightdist.torch_internals import subclass_dispatch_disabled
 
 if TYPE_CHECKING:
-    from lightdist.context_parallel import ContextParallel
+    from lightdist.parallel.context.split import ContextParallel
 
 __all__ = ["ELEMENTWISE", "SequenceShard", "expanded_index", "unwrapped"]
 

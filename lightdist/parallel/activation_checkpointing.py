@@ -5,8 +5,9 @@ checkpoints) do not change, as they would under a wrapper module. Must run after
 the order torchtitan uses: FSDP's hooks on the block then gather its parameters before the recomputed forward.
 
 Backward recomputes a block from the arguments its forward was given, so a block must not leave state behind that its
-recompute reads: checkpointed blocks are called without Hugging Face's key/value cache (``lightdist.kv_cache``). And
-it recomputes under context parallelism, as the forward ran, though torch leaves the mode while it runs backward.
+recompute reads: checkpointed blocks are called without Hugging Face's key/value cache
+(``lightdist.parallel.kv_cache``). And it recomputes under context parallelism, as the forward ran, though torch leaves
+the mode while it runs backward.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
-from lightdist.context_parallel_mode import ContextParallelMode
 from lightdist.dataflow import device_of_call
-from lightdist.kv_cache import without_kv_cache
+from lightdist.parallel.context import ContextParallelMode
+from lightdist.parallel.kv_cache import without_kv_cache
 from lightdist.torch_internals import torch_function_modes
 
 __all__ = ["ActivationCheckpointing", "apply_activation_checkpointing", "attention_ops"]

@@ -41,8 +41,8 @@ from fsspec.core import url_to_fs
 from fsspec.utils import infer_compression
 from tqdm import tqdm
 
-from lightdist.storage import storage_fix
-from lightdist.token_shards import FORMAT, INDEX, Tokenizer, dtype_for
+from lightdist.checkpoint.storage import storage_fix
+from lightdist.data.token_shards import FORMAT, INDEX, Tokenizer, dtype_for
 
 __all__ = ["load_tokenizer", "main", "prepare"]
 

@@ -46,11 +46,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from lightdist.context_parallel_mode import ContextParallelMode, shares_into_tensor_parallel_modules
-from lightdist.expert_parallel import all_to_all_rows
-from lightdist.loss_tokens import IGNORE_INDEX
-from lightdist.sequence_shard import SequenceShard, unwrapped
-from lightdist.tensor_parallel import model_attention_heads
+from lightdist.parallel.context.mode import ContextParallelMode, shares_into_tensor_parallel_modules
+from lightdist.parallel.context.sequence_shard import SequenceShard, unwrapped
+from lightdist.parallel.expert_parallel import all_to_all_rows
+from lightdist.parallel.loss_tokens import IGNORE_INDEX
+from lightdist.parallel.tensor_parallel import model_attention_heads
 from lightdist.torch_internals import ring_attention_backward, ring_attention_forward
 
 __all__ = [

@@ -5,8 +5,9 @@ Code that reshapes with sizes it does not read from a head-count attribute (nano
 shapes and trains a wrong model. So before the model is split, each unit of its first block is copied, split across
 the tensor-parallel ranks, run on the inputs the unit gets in a forward pass of 2 x 8 tokens and compared with the
 unsplit copy. The first layout that gives the unsplit output is the one every block's unit gets: fast, else adapted,
-else global (see ``lightdist.tensor_parallel.UnitLayout``). The cost is a few forwards of one block on 2 x 8 tokens,
-and for a moment the memory of the unit twice over, in fp32. Units larger than ``NUMERIC_CHECK_LIMIT`` parameters (a
+else global (see ``lightdist.parallel.tensor_parallel.UnitLayout``). The cost is a few forwards of one block on 2 x 8
+tokens, and for a moment the memory of the unit twice over, in fp32. Units larger than ``NUMERIC_CHECK_LIMIT``
+parameters (a
 70B model's MLP), and runs in torch's fake process group (which sends nothing), are checked on the meta device
 instead: for their output shapes only, at no cost.
 """
@@ -33,8 +34,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 
 from lightdist.dataflow import run_first_block, tensors_in
-from lightdist.structure import DecoderStack, within
-from lightdist.tensor_parallel import (
+from lightdist.parallel.structure import DecoderStack, within
+from lightdist.parallel.tensor_parallel import (
     TensorParallelStyle,
     UnitLayout,
     attention_heads,

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightdist.expert_parallel import find_experts
-from lightdist.structure import find_decoder_stack, find_repeated_blocks
+from lightdist.parallel.expert_parallel import find_experts
+from lightdist.parallel.structure import find_decoder_stack, find_repeated_blocks
 
 __all__ = ["PEAK_TFLOPS", "DecoderFlops", "device_peak_flops"]
 

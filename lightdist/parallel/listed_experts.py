@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightdist.dataflow import device_of_call
-from lightdist.expert_parallel import ExpertModules, all_to_all_rows
+from lightdist.parallel.expert_parallel import ExpertModules, all_to_all_rows
 
 __all__ = ["ExpertList", "apply_listed_expert_parallel", "experts_held_apart"]
 

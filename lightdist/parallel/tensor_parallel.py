@@ -51,10 +51,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from lightdist.dataflow import tensors_in, trace_block_plan
-from lightdist.expert_parallel import moe_blocks
-from lightdist.kv_cache import without_kv_cache
-from lightdist.pipeline.tied import tied_names
-from lightdist.structure import (
+from lightdist.parallel.expert_parallel import moe_blocks
+from lightdist.parallel.kv_cache import without_kv_cache
+from lightdist.parallel.pipeline.tied import tied_names
+from lightdist.parallel.structure import (
     DecoderStack,
     find_decoder_stack,
     in_features,
@@ -565,8 +565,8 @@ def apply_tensor_parallel(
     split divides evenly.
 
     Parameters become DTensors on ``tp_mesh``. ``layouts`` says how each unit of a block runs, by its name inside the
-    block (``{"attn": "global"}``; ``lightdist.layout_probe`` finds them); units not named run fast, their modules'
-    head-count attributes set to per-rank counts, so attention code that reshapes with
+    block (``{"attn": "global"}``; ``lightdist.parallel.layout_probe`` finds them); units not named run fast, their
+    modules' head-count attributes set to per-rank counts, so attention code that reshapes with
     ``view(B, T, self.num_heads, head_dim)`` keeps working unchanged. With ``sequence_parallel``, activations between
     blocks are split along the sequence as well; with ``loss_parallel`` the logits stay split by vocabulary, for
     ``vocab_parallel_cross_entropy``.

@@ -3,8 +3,8 @@
 Under context parallelism each rank's loss is a mean over its own share of the batch's tokens. Where the ranks hold
 different numbers of labelled tokens (padding, a masked prompt, a shift that keeps the length), the ranks' means
 weigh alike in the gradients' mean unless each is weighed by its count (``TokenWeights``). A Hugging Face model called
-with ``labels=`` is counted by its labels (``lightdist.loss_tokens``); a mean written in the step is counted by how
-it is written:
+with ``labels=`` is counted by its labels (``lightdist.parallel.loss_tokens``); a mean written in the step is counted by
+how it is written:
 
 - ``F.cross_entropy`` (or ``nll_loss``) with its default mean: the labels it does not ignore;
 - a sum over the rank's tokens divided by a count of them: ``(loss * mask).sum() / mask.sum()``,
@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightdist.loss_tokens import IGNORE_INDEX
-from lightdist.sequence_shard import SequenceShard
+from lightdist.parallel.context.sequence_shard import SequenceShard
+from lightdist.parallel.loss_tokens import IGNORE_INDEX
 
 if TYPE_CHECKING:
-    from lightdist.context_parallel import ContextParallel
+    from lightdist.parallel.context.split import ContextParallel
 
 __all__ = ["TokenMeans"]
 

@@ -22,7 +22,7 @@ from torch.distributed import DistBackendError, Store, TCPStore
 
 __all__ = ["Heartbeat", "describe_ranks", "failed_collective", "name_the_silent_rank", "store_on_rank_zero"]
 
-_KEY = "lightdist/heartbeat/{rank}"
+_KEY = "lightdist/resilience/heartbeat/{rank}"
 
 
 class Heartbeat:

@@ -26,13 +26,18 @@ import yaml
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightdist.layout_probe import probe_layouts
-from lightdist.pipeline.schedules import stages_of_rank, virtual_stages_of
-from lightdist.pipeline.structural import stage_costs, stage_sizes
-from lightdist.planner import Cluster, Estimate, GiB, ModelShape, Training, plan_layouts, tensor_parallel_shape
-from lightdist.pretrained import IN_FLIGHT_BYTES
-from lightdist.structure import DecoderStack, find_decoder_stack
-from lightdist.tensor_parallel import TensorParallelStyle, check_divisible, discover_plan, replicated_key_values
+from lightdist.checkpoint.pretrained import IN_FLIGHT_BYTES
+from lightdist.parallel.layout_probe import probe_layouts
+from lightdist.parallel.pipeline.schedules import stages_of_rank, virtual_stages_of
+from lightdist.parallel.pipeline.structural import stage_costs, stage_sizes
+from lightdist.parallel.structure import DecoderStack, find_decoder_stack
+from lightdist.parallel.tensor_parallel import (
+    TensorParallelStyle,
+    check_divisible,
+    discover_plan,
+    replicated_key_values,
+)
+from lightdist.plan.planner import Cluster, Estimate, GiB, ModelShape, Training, plan_layouts, tensor_parallel_shape
 from lightdist.torch_internals import FakeStore
 
 __all__ = ["format_layouts", "format_plan", "format_stages", "layout_records", "main"]
@@ -94,8 +99,8 @@ def format_plan(model: nn.Module, tp: int, tp_plan: dict[str, TensorParallelStyl
 
 
 def _unit_layouts(model: nn.Module, stack: DecoderStack, plan: dict[str, TensorParallelStyle], tp: int) -> list[str]:
-    """How each attention and MLP module runs split (``lightdist.layout_probe``), checked in torch's fake process
-    group on the meta device: by output shapes only, where the run compares numbers as well."""
+    """How each attention and MLP module runs split (``lightdist.parallel.layout_probe``), checked in torch's fake
+    process group on the meta device: by output shapes only, where the run compares numbers as well."""
     if dist.is_initialized():
         return []
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)

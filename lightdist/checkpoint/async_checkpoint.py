@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from lightdist.sharding import local_tensor
-from lightdist.storage import commit, is_complete, remove, write_pointer
+from lightdist.checkpoint.storage import commit, is_complete, remove, write_pointer
+from lightdist.parallel.sharding import local_tensor
 from lightdist.torch_internals import FsspecWriter, quiet_checkpoint_processes
 
 __all__ = ["WRITER_THREADS", "AsyncMode", "CheckpointSaver", "buffers_copied"]

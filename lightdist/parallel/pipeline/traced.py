@@ -1,8 +1,8 @@
 """Pipeline stages for a model whose blocks are not in one ``ModuleList`` (or with ``pipeline_tracer=True``): cut by
 ``torch.distributed.pipelining``'s tracer.
 
-``lightdist.pipeline.structural`` runs the model's own forward on every stage, which needs the blocks in a list the
-forward loops over. A model that calls its blocks one by one (``self.first(x)``, ``self.second(x)``) or through an
+``lightdist.parallel.pipeline.structural`` runs the model's own forward on every stage, which needs the blocks in a list
+the forward loops over. A model that calls its blocks one by one (``self.first(x)``, ``self.second(x)``) or through an
 ``nn.Sequential`` is traced instead: ``torch.export`` records its forward on one example microbatch, and ``pipeline()``
 cuts the graph before the first block of each stage. A stage module then runs the recorded operations, and hands the
 next stage every value it needs, not only the hidden states.
@@ -26,9 +26,9 @@ from torch import Tensor, fx, nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 from torch.export.unflatten import InterpreterModule
 
-from lightdist.pipeline.stage_chain import chain_stages
-from lightdist.pipeline.structural import MicrobatchCalls, balanced_split
-from lightdist.structure import CONTAINERS, holders, within
+from lightdist.parallel.pipeline.stage_chain import chain_stages
+from lightdist.parallel.pipeline.structural import MicrobatchCalls, balanced_split
+from lightdist.parallel.structure import CONTAINERS, holders, within
 
 __all__ = [
     "TracedInput",

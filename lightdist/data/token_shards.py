@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from fsspec.core import url_to_fs
 
-from lightdist.storage import IN_FLIGHT_RANGES, storage_fix
+from lightdist.checkpoint.storage import IN_FLIGHT_RANGES, storage_fix
 
 __all__ = ["FORMAT", "INDEX", "TokenShards", "Tokenizer", "dtype_for"]
 

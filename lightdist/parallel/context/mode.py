@@ -18,13 +18,13 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from lightdist.attention_by_hand import BY_HAND_OPS, AttentionByHand
-from lightdist.sequence_shard import ELEMENTWISE, SequenceShard, expanded_index, unwrapped
-from lightdist.token_means import TokenMeans
-from lightdist.traced_calls import as_called, functions_of_ops
+from lightdist.parallel.context.attention_by_hand import BY_HAND_OPS, AttentionByHand
+from lightdist.parallel.context.sequence_shard import ELEMENTWISE, SequenceShard, expanded_index, unwrapped
+from lightdist.parallel.context.token_means import TokenMeans
+from lightdist.parallel.context.traced_calls import as_called, functions_of_ops
 
 if TYPE_CHECKING:
-    from lightdist.context_parallel import ContextParallel
+    from lightdist.parallel.context.split import ContextParallel
 
 __all__ = ["TRACED_CALLS", "ContextParallelMode", "shares_into_tensor_parallel_modules"]
 

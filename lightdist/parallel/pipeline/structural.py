@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightdist.dataflow import run_first_block, tensors_in
-from lightdist.structure import DecoderStack
+from lightdist.parallel.structure import DecoderStack
 from lightdist.torch_internals import is_view
 
 __all__ = [

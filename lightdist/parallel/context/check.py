@@ -24,10 +24,10 @@ import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-from lightdist.context_parallel import ContextParallel, load_balanced_positions
 from lightdist.dataflow import tensors_in
-from lightdist.loss_tokens import IGNORE_INDEX
-from lightdist.sharding import local_tensor
+from lightdist.parallel.context.split import ContextParallel, load_balanced_positions
+from lightdist.parallel.loss_tokens import IGNORE_INDEX
+from lightdist.parallel.sharding import local_tensor
 
 __all__ = ["StepOnBatch", "check_split_step", "parameters_of", "probe_prefix", "tolerance"]
 

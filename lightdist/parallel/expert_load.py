@@ -1,7 +1,8 @@
 """How evenly a Mixture-of-Experts model's router spreads tokens over its experts, counted where they are routed.
 
-A forward pre-hook on each experts module (``lightdist.expert_parallel.find_experts``) reads the expert each token is
-sent to; on experts held as a list, one on each expert counts the tokens it is given (under expert parallelism, on
+A forward pre-hook on each experts module (``lightdist.parallel.expert_parallel.find_experts``) reads the expert each
+token is sent to; on experts held as a list, one on each expert counts the tokens it is given (under expert parallelism,
+on
 the rank holding it, which gets every rank's tokens for it). Counts are summed over the ranks whose tokens differ
 (not over tensor-parallel peers, which route the same tokens) and over the pipeline stages that hold the layers.
 Recomputed forwards (activation checkpointing) count their tokens again, as they route them again: shares and the
@@ -20,8 +21,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightdist.expert_parallel import find_experts
-from lightdist.sharding import local_tensor
+from lightdist.parallel.expert_parallel import find_experts
+from lightdist.parallel.sharding import local_tensor
 
 __all__ = ["ExpertLoad", "imbalance_metrics", "wandb_histograms"]
 

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from lightdist.dataflow import tensors_in
 
 if TYPE_CHECKING:
-    from lightdist.context_parallel import ContextParallel
+    from lightdist.parallel.context.split import ContextParallel
 
 __all__ = ["BY_HAND_OPS", "AttentionByHand"]
 

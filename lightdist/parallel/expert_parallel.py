@@ -49,7 +49,7 @@ class ExpertModules:
     num_experts: int
     declared_by: str  # "the model's base_model_ep_plan", or "discovered"
     top_k: int | None = None  # experts per token, where the MoE block or its config says
-    listed: bool = False  # each expert a module of an nn.ModuleList (lightdist.listed_experts), not stacked
+    listed: bool = False  # each expert a module of an nn.ModuleList (lightdist.parallel.listed_experts), not stacked
 
     def parameters(self, model: nn.Module) -> list[nn.Parameter]:
         """Every expert's weights: the parameters of the experts modules."""

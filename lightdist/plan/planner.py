@@ -30,18 +30,18 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from lightdist.context_parallel import auto_method
-from lightdist.expert_parallel import expert_layout_problem, find_experts
-from lightdist.pipeline.structural import balanced_split, stage_costs
-from lightdist.structure import find_decoder_stack
-from lightdist.tensor_parallel import (
+from lightdist.parallel.context import auto_method
+from lightdist.parallel.expert_parallel import expert_layout_problem, find_experts
+from lightdist.parallel.pipeline.structural import balanced_split, stage_costs
+from lightdist.parallel.structure import find_decoder_stack
+from lightdist.parallel.tensor_parallel import (
     TensorParallelStyle,
     block_attention_heads,
     check_divisible,
     discover_plan,
     replicated_key_values,
 )
-from lightdist.throughput import DecoderFlops
+from lightdist.plan.throughput import DecoderFlops
 from lightdist.torch_internals import FakeTensorMode
 
 __all__ = [
@@ -236,8 +236,9 @@ class ModelShape:
     def gathered_bytes_per_token(self, cp: int) -> list[float]:
         """Bytes each block keeps for backward, at fp32, per token of the whole sequence, beside its share under
         context parallelism: attention written by hand scores its queries against the keys of every rank and weighs
-        their values, so it keeps the other ranks' keys and values, gathered (lightdist/attention_by_hand.py), as
-        wide as the queries (grouped keys are repeated before the product). A kernel (SDPA, split by ring or
+        their values, so it keeps the other ranks' keys and values, gathered
+        (lightdist/parallel/context/attention_by_hand.py), as wide as the queries (grouped keys are repeated before the
+        product). A kernel (SDPA, split by ring or
         all-to-all) keeps only its share's."""
         return [2 * 4 * self.dim * (cp - 1) / cp if square else 0.0 for _, square in self._activation_terms]
 

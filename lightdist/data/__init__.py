@@ -1,0 +1,1 @@
+"""Data: corpora tokenized once into token shards, streamed by ranges, and mixed."""

@@ -1,0 +1,29 @@
+"""Context parallelism: each sequence split over ranks, attention still over all of it.
+
+The package's one entry point. ``ContextParallel`` (``split.py``) splits a batch's sequences and runs a step under
+its mode (``mode.py``), which follows the split through the ops it knows (``sequence_shard.py``, attention by SDPA
+or by hand, ``token_means.py`` for means over tokens); ``check.py`` proves a step computes the same split as whole.
+"""
+
+from lightdist.parallel.context.check import check_split_step, parameters_of, probe_prefix, tolerance
+from lightdist.parallel.context.mode import ContextParallelMode
+from lightdist.parallel.context.split import (
+    ContextParallel,
+    ContextParallelMethod,
+    auto_method,
+    context_parallel_over,
+    load_balanced_positions,
+)
+
+__all__ = [
+    "ContextParallel",
+    "ContextParallelMethod",
+    "ContextParallelMode",
+    "auto_method",
+    "check_split_step",
+    "context_parallel_over",
+    "load_balanced_positions",
+    "parameters_of",
+    "probe_prefix",
+    "tolerance",
+]
