@@ -54,7 +54,7 @@ from lightdist.parallel.pipeline.traced import (
 from lightdist.parallel.pipeline.whole_copy import whole_copy
 from lightdist.parallel.sharding import ZeroStage, apply_data_parallel
 from lightdist.parallel.structure import DecoderStack, find_decoder_stack, find_repeated_blocks
-from lightdist.parallel.tensor_parallel import TensorParallelStyle, apply_tensor_parallel, discover_plan
+from lightdist.parallel.tensor import TensorParallelStyle, apply_tensor_parallel, discover_plan
 
 __all__ = ["ModelHolder", "ParallelConfig", "Parallelized", "materialize", "parallelize"]
 

@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from lightdist.checkpoint.async_checkpoint import AsyncMode, CheckpointSaver
 from lightdist.checkpoint.storage import check_same_model, load_sharded, read_metadata, resolve
-from lightdist.parallel.tensor_parallel import reorder_optimizer_state
+from lightdist.parallel.tensor import reorder_optimizer_state
 
 __all__ = ["ShardedCheckpointIO"]
 

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightdist.checkpoint.async_checkpoint import AsyncMode, buffers_copied
-from lightdist.parallel.tensor_parallel import reorder_optimizer_state
+from lightdist.parallel.tensor import reorder_optimizer_state
 from lightdist.parallelize import ParallelConfig, Parallelized
 from lightdist.plugins.auto_layout import LayoutRequest
 from lightdist.plugins.checkpoint_io import ShardedCheckpointIO

@@ -30,7 +30,7 @@ from lightdist.parallel.context import ContextParallelMethod
 from lightdist.parallel.pipeline.schedules import PipelineSchedule
 from lightdist.parallel.pipeline.traced import share_model_buffers
 from lightdist.parallel.sharding import ShardedOptimizer, ZeroStage, optimizer_states_to, step_mixed_meshes_per_tensor
-from lightdist.parallel.tensor_parallel import TensorParallelStyle
+from lightdist.parallel.tensor import TensorParallelStyle
 from lightdist.parallelize import ModelHolder, ParallelConfig, materialize, parallelize
 from lightdist.plugins.auto_layout import LayoutRequest
 from lightdist.plugins.checkpointing_strategy import CheckpointingStrategy

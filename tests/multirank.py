@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from lightdist.parallel.structure import find_decoder_stack
-from lightdist.parallel.tensor_parallel import apply_tensor_parallel, discover_plan
+from lightdist.parallel.tensor import apply_tensor_parallel, discover_plan
 
 __all__ = ["free_port", "raised", "run_each", "run_ranks", "run_ranks_beside", "split_over_two_ranks"]
 

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from lightdist.models import GPT2
 from lightdist.parallel.structure import find_decoder_stack
-from lightdist.parallel.tensor_parallel import discover_plan
+from lightdist.parallel.tensor import discover_plan
 
 from multirank import run_ranks, split_over_two_ranks
 

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lightdist.parallel.layout_probe import probe_layouts
 from lightdist.parallel.structure import find_decoder_stack
-from lightdist.parallel.tensor_parallel import apply_tensor_parallel, discover_plan
+from lightdist.parallel.tensor import apply_tensor_parallel, discover_plan
 from lightdist.plan.command import format_plan
 
 from multirank import raised, run_ranks

@@ -7,7 +7,7 @@ from torch import nn
 
 from lightdist.models import GPT2, Llama
 from lightdist.parallel.structure import find_decoder_stack
-from lightdist.parallel.tensor_parallel import check_divisible, discover_plan
+from lightdist.parallel.tensor import check_divisible, discover_plan
 
 from training import MODELS, UnknownFamilyLM
 

@@ -5,7 +5,7 @@ Code that reshapes with sizes it does not read from a head-count attribute (nano
 shapes and trains a wrong model. So before the model is split, each unit of its first block is copied, split across
 the tensor-parallel ranks, run on the inputs the unit gets in a forward pass of 2 x 8 tokens and compared with the
 unsplit copy. The first layout that gives the unsplit output is the one every block's unit gets: fast, else adapted,
-else global (see ``lightdist.parallel.tensor_parallel.UnitLayout``). The cost is a few forwards of one block on 2 x 8
+else global (see ``lightdist.parallel.tensor.UnitLayout``). The cost is a few forwards of one block on 2 x 8
 tokens, and for a moment the memory of the unit twice over, in fp32. Units larger than ``NUMERIC_CHECK_LIMIT``
 parameters (a
 70B model's MLP), and runs in torch's fake process group (which sends nothing), are checked on the meta device
@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from lightdist.dataflow import run_first_block, tensors_in
 from lightdist.parallel.structure import DecoderStack, within
-from lightdist.parallel.tensor_parallel import (
+from lightdist.parallel.tensor import (
     TensorParallelStyle,
     UnitLayout,
     attention_heads,

@@ -31,7 +31,7 @@ from lightdist.parallel.layout_probe import probe_layouts
 from lightdist.parallel.pipeline.schedules import stages_of_rank, virtual_stages_of
 from lightdist.parallel.pipeline.structural import stage_costs, stage_sizes
 from lightdist.parallel.structure import DecoderStack, find_decoder_stack
-from lightdist.parallel.tensor_parallel import (
+from lightdist.parallel.tensor import (
     TensorParallelStyle,
     check_divisible,
     discover_plan,

@@ -34,7 +34,7 @@ from lightdist.parallel.context import auto_method
 from lightdist.parallel.expert_parallel import expert_layout_problem, find_experts
 from lightdist.parallel.pipeline.structural import balanced_split, stage_costs
 from lightdist.parallel.structure import find_decoder_stack
-from lightdist.parallel.tensor_parallel import (
+from lightdist.parallel.tensor import (
     TensorParallelStyle,
     block_attention_heads,
     check_divisible,

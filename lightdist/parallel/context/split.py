@@ -50,7 +50,7 @@ from lightdist.parallel.context.mode import ContextParallelMode, shares_into_ten
 from lightdist.parallel.context.sequence_shard import SequenceShard, unwrapped
 from lightdist.parallel.expert_parallel import all_to_all_rows
 from lightdist.parallel.loss_tokens import IGNORE_INDEX
-from lightdist.parallel.tensor_parallel import model_attention_heads
+from lightdist.parallel.tensor import model_attention_heads
 from lightdist.torch_internals import ring_attention_backward, ring_attention_forward
 
 __all__ = [
