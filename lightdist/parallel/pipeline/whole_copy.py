@@ -48,10 +48,11 @@ def whole_copy(model: nn.Module) -> nn.Module | None:
 def load_stage_weights(whole: nn.Module | None, module: nn.Module, pp_group: dist.ProcessGroup, last: int) -> None:
     """Give ``whole`` (held by the pipeline's ``last`` rank) the weights and buffers every stage of ``module`` holds
     now, under the names they have in the whole model. A collective of the pipeline's ranks, and of each stage's
-    tensor- and data-parallel ranks, which gather its sharded weights."""
+    tensor- and data-parallel ranks, which gather its sharded weights. Read through ``state_dict``, which gives them
+    in the model's layout (a fused projection's rows are held rank by rank under tensor parallelism)."""
     held = {
         name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
-        for name, tensor in chain(module.named_parameters(), module.named_buffers())
+        for name, tensor in module.state_dict().items()
     }
     stages: list[dict[str, Tensor]] | None = [{} for _ in range(dist.get_world_size(pp_group))] if whole else None
     dist.gather_object(held, stages, group=pp_group, group_dst=last)
