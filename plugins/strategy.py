@@ -73,8 +73,7 @@ class ParallelStrategy(CheckpointingStrategy):
             URL) the run starts from: once split, the model is filled from it, each rank reading only its shards'
             bytes (``lightdist.checkpoint.pretrained``; a resume reads the run's own checkpoint instead). The
             checkpoint's names are those of the parameters under ``pretrained_prefix``, e.g. ``"model"`` for
-            ``self.model``. A
-            ``PretrainedWeights`` in place of the URL also lists new weights and maps other names.
+            ``self.model``. A ``PretrainedWeights`` in place of the URL also lists new weights and maps other names.
         async_checkpoint: How checkpoints saved during ``fit`` upload behind training once staged in CPU memory:
             ``"process"`` (DCP's daemon process per rank, free of the training process's GIL), ``"thread"``, or
             ``None`` to save before training goes on.

@@ -2,8 +2,7 @@
 
 A forward pre-hook on each experts module (``lightdist.parallel.expert_parallel.find_experts``) reads the expert each
 token is sent to; on experts held as a list, one on each expert counts the tokens it is given (under expert parallelism,
-on
-the rank holding it, which gets every rank's tokens for it). Counts are summed over the ranks whose tokens differ
+on the rank holding it, which gets every rank's tokens for it). Counts are summed over the ranks whose tokens differ
 (not over tensor-parallel peers, which route the same tokens) and over the pipeline stages that hold the layers.
 Recomputed forwards (activation checkpointing) count their tokens again, as they route them again: shares and the
 imbalance are exact, the counts are then multiples.

@@ -2,14 +2,13 @@
 
 Code that reshapes with sizes it does not read from a head-count attribute (nanoGPT's ``split(self.n_embd)`` and
 ``view(B, T, C)`` with ``C`` from its input, LitGPT's ``config.n_head``) fails on local shards, or runs with wrong
-shapes and trains a wrong model. So before the model is split, each unit of its first block is copied, split across
-the tensor-parallel ranks, run on the inputs the unit gets in a forward pass of 2 x 8 tokens and compared with the
-unsplit copy. The first layout that gives the unsplit output is the one every block's unit gets: fast, else adapted,
-else global (see ``lightdist.parallel.tensor.UnitLayout``). The cost is a few forwards of one block on 2 x 8
-tokens, and for a moment the memory of the unit twice over, in fp32. Units larger than ``NUMERIC_CHECK_LIMIT``
-parameters (a
-70B model's MLP), and runs in torch's fake process group (which sends nothing), are checked on the meta device
-instead: for their output shapes only, at no cost.
+shapes and trains a wrong model. So before the model is split, each unit of its first block is copied, split across the
+tensor-parallel ranks, run on the inputs the unit gets in a forward pass of 2 x 8 tokens and compared with the unsplit
+copy. The first layout that gives the unsplit output is the one every block's unit gets: fast, else adapted, else global
+(see ``lightdist.parallel.tensor.UnitLayout``). The cost is a few forwards of one block on 2 x 8 tokens, and for a
+moment the memory of the unit twice over, in fp32. Units larger than ``NUMERIC_CHECK_LIMIT`` parameters (a 70B model's
+MLP), and runs in torch's fake process group (which sends nothing), are checked on the meta device instead: for their
+output shapes only, at no cost.
 """
 
 from __future__ import annotations

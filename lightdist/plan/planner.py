@@ -238,8 +238,7 @@ class ModelShape:
         context parallelism: attention written by hand scores its queries against the keys of every rank and weighs
         their values, so it keeps the other ranks' keys and values, gathered
         (lightdist/parallel/context/attention_by_hand.py), as wide as the queries (grouped keys are repeated before the
-        product). A kernel (SDPA, split by ring or
-        all-to-all) keeps only its share's."""
+        product). A kernel (SDPA, split by ring or all-to-all) keeps only its share's."""
         return [2 * 4 * self.dim * (cp - 1) / cp if square else 0.0 for _, square in self._activation_terms]
 
     @cached_property
