@@ -21,7 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightdist.parallel.structure import DecoderStack, is_projection, out_features
 
-__all__ = ["device_of_call", "run_first_block", "tensors_in", "trace_block_plan"]
+__all__ = ["cloned", "device_of_call", "run_first_block", "tensors_in", "trace_block_plan"]
 
 _SPLITS = {torch.split, torch.chunk, Tensor.split, Tensor.chunk, torch.tensor_split, Tensor.tensor_split}
 _FUSED_BY_PARTS = {3: "qkv", 2: "gate_up"}
@@ -32,6 +32,12 @@ def tensors_in(value: Any) -> list[Tensor]:
     found: list[Tensor] = []
     apply_to_collection(value, Tensor, found.append, allow_frozen=True)
     return found
+
+
+def cloned(value: Any) -> Any:
+    """``value`` with each tensor in it cloned: a batch handed to a step that may write into it (labels masked in
+    place), which must run on it again."""
+    return apply_to_collection(value, Tensor, torch.clone)
 
 
 def device_of_call(args: tuple, kwargs: dict) -> torch.device:

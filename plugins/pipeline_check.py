@@ -3,11 +3,10 @@
 Stages cut by structure run what the model's forward does inside its block loop, and refuse what they see go wrong
 (``lightdist.parallel.pipeline.structural``). Two things they cannot see train differently from one process without an
 error: a forward that uses, after its blocks, a tensor computed before them (the last stage holds a stand-in for it),
-and a
-step whose loss over a batch is not its microbatches' losses weighed as the pipeline weighs them (a mean over tokens
-lightdist cannot count weighs the microbatches alike, where one process weighs their tokens). So at the first
-training step, on a few examples of its batch (those whose labelled tokens differ most), the pipeline runs the step
-as an evaluation, and the last stage runs it on a whole copy of the model holding the stages' weights
+and a step whose loss over a batch is not its microbatches' losses weighed as the pipeline weighs them (a mean over
+tokens lightdist cannot count weighs the microbatches alike, where one process weighs their tokens). So at the first
+training step, on a few examples of its batch (those whose labelled tokens differ most), the pipeline runs the step as
+an evaluation, and the last stage runs it on a whole copy of the model holding the stages' weights
 (``lightdist.parallel.pipeline.whole_copy``): once over all the examples and once per microbatch, for the loss and the
 gradients. At initialization every token's loss is alike, so a mean weighed wrong shows in the gradients only.
 """
@@ -24,6 +23,7 @@ from lightning.pytorch import LightningModule
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
+from lightdist.dataflow import cloned
 from lightdist.parallel.expert_parallel import moe_blocks
 from lightdist.parallel.loss_tokens import IGNORE_INDEX
 from lightdist.parallel.pipeline.microbatches import cut_batch, examples_in
@@ -73,7 +73,7 @@ class PipelineCheck:
         with unseen(module), pipeline.token_weights.set_aside():
             with torch.no_grad():
                 load_stage_weights(self.whole, module, pipeline.pp_group, pipeline.last_stage)
-                pipelined = pipeline("training_step", _copied(probe), 0, train=False)
+                pipelined = pipeline("training_step", cloned(probe), 0, train=False)
             if self.whole is not None:
                 with _holding(module, self.whole.to(module.device)):
                     verdict = self._verdict(pipeline, probe, pipelined)
@@ -125,7 +125,7 @@ class PipelineCheck:
 def _loss_and_gradients(module: LightningModule, batch: Any, weights: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
     """The step's loss on ``batch`` and its gradients of ``weights``."""
     with torch.enable_grad():
-        result = type(module).training_step(module, _copied(batch), 0)
+        result = type(module).training_step(module, cloned(batch), 0)
         loss = result["loss"] if isinstance(result, Mapping) else result
         grads = torch.autograd.grad(loss, weights, allow_unused=True)
     zeros = [torch.zeros_like(weight) if grad is None else grad for weight, grad in zip(weights, grads, strict=True)]
@@ -147,10 +147,6 @@ def _holding(module: nn.Module, whole: nn.Module) -> Iterator[None]:
 
 def _flat(tensors: list[Tensor]) -> Tensor:
     return torch.cat([tensor.flatten() for tensor in tensors])
-
-
-def _copied(batch: Any) -> Any:
-    return apply_to_collection(batch, Tensor, torch.clone)  # a step may write into its batch
 
 
 def _relative(value: Tensor, reference: Tensor) -> float:

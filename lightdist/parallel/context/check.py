@@ -24,7 +24,7 @@ import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-from lightdist.dataflow import tensors_in
+from lightdist.dataflow import cloned, tensors_in
 from lightdist.parallel.context.split import ContextParallel, load_balanced_positions
 from lightdist.parallel.loss_tokens import IGNORE_INDEX
 from lightdist.parallel.sharding import local_tensor
@@ -103,7 +103,7 @@ def check_split_step(
         with around():
             _clear(parameters)
             try:
-                whole, _ = step(_copied(batch))  # a step may write into its batch (labels masked in place)
+                whole, _ = step(cloned(batch))  # a step may write into its batch (labels masked in place)
             except Exception as error:
                 raise ValueError(
                     f"{step_name} raised on {examples} whole sequences of {length} tokens of its first batch, which "
@@ -113,7 +113,7 @@ def check_split_step(
             whole_grads = _gradients(whole, parameters, backward=not backward_in_step)
         with around(), cp.active():
             _clear(parameters)
-            split, tokens = step(cp.shard_batch(_copied(batch)))
+            split, tokens = step(cp.shard_batch(cloned(batch)))
             weight = _weight(cp, tokens, device)
             split = None if split is None else torch.where(weight == 0, 0.0, split * weight)
             split_grads = _gradients(split, parameters, backward=not backward_in_step)
@@ -144,10 +144,6 @@ def check_split_step(
 def parameters_of(module: nn.Module) -> dict[str, Tensor]:
     """``module``'s parameters that train, by name: those whose gradients the check compares."""
     return {name: p for name, p in module.named_parameters() if p.requires_grad}
-
-
-def _copied(batch: Any) -> Any:
-    return apply_to_collection(batch, Tensor, lambda tensor: tensor.clone())
 
 
 def _clear(parameters: dict[str, Tensor] | None) -> None:

@@ -11,11 +11,9 @@ pretrained load too) and runs the user's step on it beside the pipeline (``light
 from __future__ import annotations
 
 import copy
-from itertools import chain
 
-import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 __all__ = ["COPIED_UP_TO_BYTES", "load_stage_weights", "whole_copy"]
@@ -54,14 +52,7 @@ def load_stage_weights(whole: nn.Module | None, module: nn.Module, pp_group: dis
         name: (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
         for name, tensor in module.state_dict().items()
     }
-    stages: list[dict[str, Tensor]] | None = [{} for _ in range(dist.get_world_size(pp_group))] if whole else None
+    stages = None if whole is None else [{} for _ in range(dist.get_world_size(pp_group))]
     dist.gather_object(held, stages, group=pp_group, group_dst=last)
-    if whole is None:
-        return
-    weights = {name: tensor for stage in stages for name, tensor in stage.items()}
-    with torch.no_grad():
-        for name, tensor in chain(
-            whole.named_parameters(remove_duplicate=False), whole.named_buffers(remove_duplicate=False)
-        ):
-            if name in weights:
-                tensor.copy_(weights[name])
+    if whole is not None:
+        whole.load_state_dict({name: tensor for stage in stages for name, tensor in stage.items()}, strict=False)
