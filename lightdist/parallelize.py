@@ -102,7 +102,7 @@ class ParallelConfig:
             divides ``data_parallel_size`` and the number of experts); tokens travel to their experts and back by
             all-to-all (``lightdist.parallel.expert_parallel``). 1: every rank holds every expert.
         context_parallel_method: How attention spans a sequence split over ``context_parallel_size`` ranks
-            (``lightdist.parallel.context.split``): ``"ring"`` passes key/value blocks around the ranks (any head
+            (``lightdist.parallel.context.attention``): ``"ring"`` gathers every rank's keys and values (any head
             count), ``"all_to_all"`` deals the heads out and gathers the sequence (DeepSpeed's Ulysses), ``"auto"`` the
             latter where the heads divide among the ranks.
     """

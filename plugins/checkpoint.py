@@ -14,7 +14,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightdist.checkpoint.storage import check_writable, is_complete
-from lightdist.plugins.strategy import ParallelStrategy
+from lightdist.plugins.checkpoint_io import ShardedCheckpointIO
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -22,6 +22,12 @@ if TYPE_CHECKING:
 __all__ = ["ModelCheckpoint", "adopt_checkpoint_callbacks"]
 
 log = logging.getLogger(__name__)
+
+
+def _saves_sharded(trainer: pl.Trainer) -> bool:
+    """Whether ``trainer`` saves through lightdist's sharded checkpoints, as ``ParallelStrategy`` does: the pointer
+    ``last.ckpt`` is written by their ``CheckpointIO``."""
+    return isinstance(trainer.strategy.checkpoint_io, ShardedCheckpointIO)
 
 
 class ModelCheckpoint(_LightningModelCheckpoint):
@@ -45,7 +51,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Before Lightning's own setup, whose first look into dirpath would meet the same problem with less to say.
-        if stage == "fit" and self.dirpath is not None and isinstance(trainer.strategy, ParallelStrategy):
+        if stage == "fit" and self.dirpath is not None and _saves_sharded(trainer):
             problem = None
             if trainer.is_global_zero:
                 try:
@@ -69,7 +75,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
 
     @override
     def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]) -> None:
-        if not self.save_last or not isinstance(trainer.strategy, ParallelStrategy):
+        if not self.save_last or not _saves_sharded(trainer):
             super()._save_last_checkpoint(trainer, monitor_candidates)
             return
         if self._last_checkpoint_saved is None or self._last_global_step_saved != trainer.global_step:
@@ -92,7 +98,7 @@ class ModelCheckpoint(_LightningModelCheckpoint):
         keep, and this save replaces it. A storage fault counts as nothing there, so that the save goes ahead, fails
         in turn and is reported, rather than training failing here on the way to it.
         """
-        if not isinstance(trainer.strategy, ParallelStrategy):
+        if not _saves_sharded(trainer):
             return super().file_exists(filepath, trainer)
         there = False
         if trainer.is_global_zero:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,11 +29,9 @@ from lightdist.parallel.loss_tokens import IGNORE_INDEX
 from lightdist.parallel.pipeline.microbatches import cut_batch, examples_in
 from lightdist.parallel.pipeline.whole_copy import load_stage_weights
 from lightdist.plugins.steps import unseen
+from lightdist.plugins.token_weights import TokenWeights
 
-if TYPE_CHECKING:
-    from lightdist.plugins.pipeline_step import PipelineStep
-
-__all__ = ["PipelineCheck", "probe_examples"]
+__all__ = ["Pipeline", "PipelineCheck", "probe_examples"]
 
 
 def probe_examples(batch: Any, count: int) -> Any:
@@ -55,6 +53,19 @@ def probe_examples(batch: Any, count: int) -> Any:
     return apply_to_collection(batch, Tensor, cut)
 
 
+class Pipeline(Protocol):
+    """What the check reads of the ``PipelineStep`` it checks, which imports this module."""
+
+    module: LightningModule
+    microbatches: int
+    pp_group: dist.ProcessGroup
+    last_stage: int  # the pp group's rank of the last stage
+    shares: Tensor  # each microbatch's share of the batch's loss
+    token_weights: TokenWeights
+
+    def __call__(self, step_name: str, batch: Any, batch_idx: int, *, train: bool) -> Tensor: ...
+
+
 class PipelineCheck:
     """At the first training step, on a probe of its batch, two comparisons against ``whole`` (the copy the last stage
     keeps; ``None`` on other ranks), each within ``rtol``: the pipeline's loss against the step's on the whole model,
@@ -64,7 +75,7 @@ class PipelineCheck:
     def __init__(self, whole: nn.Module | None, rtol: float) -> None:
         self.whole, self.rtol = whole, rtol
 
-    def __call__(self, pipeline: PipelineStep, batch: Any) -> None:
+    def __call__(self, pipeline: Pipeline, batch: Any) -> None:
         """A collective of every rank: each raises where any pipeline differs from its whole copy."""
         module = pipeline.module
         cut_batch(batch, pipeline.microbatches)  # a batch that cannot be cut is refused as training refuses it
@@ -83,7 +94,7 @@ class PipelineCheck:
         if message := next((verdict for verdict in verdicts if verdict is not None), None):
             raise ValueError(message)
 
-    def _verdict(self, pipeline: PipelineStep, probe: Any, pipelined: Tensor) -> str | None:
+    def _verdict(self, pipeline: Pipeline, probe: Any, pipelined: Tensor) -> str | None:
         """What differs, checked in turn: the step over the probe against its microbatches weighed as the pipeline
         weighs them, both on the whole model (not for a mixture of experts, whose load-balancing loss is over each
         microbatch's tokens, as over each data-parallel rank's); then the pipeline's loss against the weighed

@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightdist.checkpoint.storage import checkpoints_under
+from lightdist.plugins.checkpoint import adopt_checkpoint_callbacks
 from lightdist.plugins.lightning_internals import SubprocessScriptLauncher, last_checkpoints_found_by
 from lightdist.plugins.progress import adopt_progress_bar
 
@@ -40,9 +41,6 @@ class ResumesLast:
     ckpt_path: str | None = None  # the checkpoint the call launched last loads ("last" resolved), None for none
 
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer, **kwargs: Any) -> Any:
-        # plugins/checkpoint.py imports the strategy, which imports this module.
-        from lightdist.plugins.checkpoint import adopt_checkpoint_callbacks
-
         adopt_checkpoint_callbacks(trainer)
         adopt_progress_bar(trainer)
         call = inspect.signature(function).bind(*args, **kwargs)  # Lightning's _fit_impl(..., ckpt_path, ...)

@@ -21,13 +21,16 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightdist.layout import ParallelLayout
-    from lightdist.plugins.strategy import ParallelStrategy
+    from lightdist.plugins.checkpointing_strategy import CheckpointingStrategy
 
 __all__ = ["announce_run", "run_header"]
 
 
-def announce_run(strategy: ParallelStrategy, trainer: pl.Trainer, config: ParallelConfig) -> Estimate | None:
-    """Print the run's header on rank 0 and record how it is split in every logger, from the whole module: call it
+def announce_run(
+    strategy: CheckpointingStrategy, trainer: pl.Trainer, config: ParallelConfig, run: dict[str, Any]
+) -> Estimate | None:
+    """Print the run's header on rank 0 and record how it is split (``run``, the strategy's ``run_config``) in every
+    logger, from the whole module: call it
     before the module is split, which the planner's run on fake tensors and the count of its parameters need. Returns
     the planner's estimate of the most loaded rank's memory on rank 0, where the module declares its batch's size;
     ``None`` elsewhere."""
@@ -35,23 +38,23 @@ def announce_run(strategy: ParallelStrategy, trainer: pl.Trainer, config: Parall
     estimate = None
     if trainer.is_global_zero:
         estimate, why_not = _planned_memory(strategy, config)
-        rank_zero_info(run_header(strategy, trainer, config, parameters, estimate, why_not))
+        rank_zero_info(run_header(strategy, trainer, run, parameters, estimate, why_not))
     for logger in trainer.loggers:
-        logger.log_hyperparams({"lightdist": {**strategy.run_config, "parameters": parameters}})
+        logger.log_hyperparams({"lightdist": {**run, "parameters": parameters}})
     return estimate
 
 
 def run_header(
-    strategy: ParallelStrategy,
+    strategy: CheckpointingStrategy,
     trainer: pl.Trainer,
-    config: ParallelConfig,
+    run: dict[str, Any],
     parameters: int,
     estimate: Estimate | None,
     why_not: str = "",
 ) -> str:
-    """The header of ``trainer``'s run, from the whole module of ``parameters`` elements and the planner's
-    ``estimate`` of its memory (or why there is none)."""
-    module, layout, run = strategy.lightning_module, strategy.layout, config.as_run(strategy.layout)
+    """The header of ``trainer``'s run split as ``run`` says, from the whole module of ``parameters`` elements and the
+    planner's ``estimate`` of its memory (or why there is none)."""
+    module, layout = strategy.lightning_module, strategy.layout
     device = "GPU" if strategy.root_device.type == "cuda" else f"{strategy.root_device.type.upper()} rank"
     experts = find_experts(module)
     active = ""
@@ -76,7 +79,7 @@ def run_header(
     if split:
         lines.append("  " + ", ".join(split))
     if layout.dp > 1 or trainer.accumulate_grad_batches > 1:  # where batches weigh against each other
-        lines.append("  " + weighing_rule(module, strategy.run_config["loss_weighting"], cp=layout.cp))
+        lines.append("  " + weighing_rule(module, run["loss_weighting"], cp=layout.cp))
     lines += _memory(estimate, why_not) + _destinations(trainer, strategy)
     return "\n".join(lines)
 
@@ -90,7 +93,7 @@ def _attention(module: pl.LightningModule, run: dict[str, Any], layout: Parallel
     return method if heads is None else f"{auto_method(heads.heads // layout.tp, layout.cp)}, auto"
 
 
-def _planned_memory(strategy: ParallelStrategy, config: ParallelConfig) -> tuple[Estimate | None, str]:
+def _planned_memory(strategy: CheckpointingStrategy, config: ParallelConfig) -> tuple[Estimate | None, str]:
     """The planner's estimate of the most loaded rank's memory under the run's layout, or why there is none."""
     layout = strategy.layout
     try:
@@ -126,7 +129,7 @@ def _memory(estimate: Estimate | None, why_not: str) -> list[str]:
     return [f"  memory per rank, planned: {_size(estimate.total)} ({parts})"]
 
 
-def _destinations(trainer: pl.Trainer, strategy: ParallelStrategy) -> list[str]:
+def _destinations(trainer: pl.Trainer, strategy: CheckpointingStrategy) -> list[str]:
     lines = []
     for callback in trainer.callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:

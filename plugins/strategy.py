@@ -168,7 +168,7 @@ class ParallelStrategy(CheckpointingStrategy):
         # A later run of the module this strategy split (validate after fit) keeps its split, header and weights.
         first_run = self._parallelized is None or self._parallelized.model.module is not self.lightning_module
         if first_run:
-            self.planned_memory = announce_run(self, trainer, self._config)
+            self.planned_memory = announce_run(self, trainer, self._config, self.run_config)
         refuse_metrics_on_meta(self.lightning_module)
         weights = self._pretrained or getattr(self.lightning_module, "pretrained_weights", None)  # PretrainedWeights
         weights = weights if first_run and self.launcher.ckpt_path is None else None  # a resume loads its checkpoint

@@ -25,8 +25,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lightdist.models import Llama
 from lightdist.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightdist.parallel.context import ContextParallel, load_balanced_positions
 from lightdist.parallel.context.sequence_shard import SequenceShard
-from lightdist.parallel.context.split import ContextParallel, load_balanced_positions
 from lightdist.parallel.loss_tokens import labelled_tokens
 from lightdist.parallel.pipeline.traced import trace_stages
 from lightdist.plan.planner import Cluster, Layout, ModelShape, Training, estimate
@@ -288,9 +288,16 @@ def context_parallel_in_a_plain_loop() -> dict:
 
     # Activation memory per rank: half of one process's, for a sequence twice as long as a rank holds
     long = torch.randint(0, 64, (1, 64), generator=generator)
-    results["saved_ratio"] = saved_activation_bytes(
-        llama, long, ContextParallel(mesh, "auto", llama)
-    ) / saved_activation_bytes(llama, long, None)
+    for method in ("all_to_all", "ring"):  # the ring keeps its own keys and values, not the gathered whole
+        results[f"saved_ratio_{method}"] = saved_activation_bytes(
+            llama, long, ContextParallel(mesh, method, llama)
+        ) / saved_activation_bytes(llama, long, None)
+    # The ring keeps its own queries, keys and values for backward, not every rank's keys and values gathered
+    held = [torch.randn(1, 4, 32, 8, requires_grad=True) for _ in range(3)]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        ContextParallel(mesh, "ring", llama).attention(*held, is_causal=True)
+    results["ring_saved_over_held"] = sum(saved) / sum(t.numel() for t in held)
     # Attention written by hand keeps the other rank's keys and values too, gathered for its scores
     for name, model in BY_HAND.items():
         model = model()
@@ -391,13 +398,15 @@ def test_half_of_each_sequence_per_rank_computes_what_one_process_computes(plain
     assert plain_loop[name]["gradients"] < 1e-4
 
 
-def test_each_rank_keeps_half_the_activations_as_the_planner_estimates(plain_loop: dict) -> None:
+@pytest.mark.parametrize("method", ["all_to_all", "ring"])
+def test_each_rank_keeps_half_the_activations_as_the_planner_estimates(plain_loop: dict, method: str) -> None:
     with torch.device("meta"):
         shape = ModelShape(Llama("tiny"))
     training, cluster = Training(seq_len=64, global_batch=1, precision="32-true"), Cluster(gpus=2)
     whole, split = (estimate(shape, Layout(1, 1, 1, cp=cp), training, cluster).activations for cp in (1, 2))
     assert split / whole == 0.5
-    assert plain_loop["saved_ratio"] == pytest.approx(split / whole, abs=0.05)
+    assert plain_loop[f"saved_ratio_{method}"] == pytest.approx(split / whole, abs=0.05)
+    assert plain_loop["ring_saved_over_held"] == 1.0  # its queries, keys and values, gathered again in backward
 
 
 @pytest.mark.parametrize("name", BY_HAND)

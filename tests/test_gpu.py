@@ -93,9 +93,9 @@ def bf16_labels_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> 
 
 
 def context_parallel_on_one_gpu() -> dict[str, dict[str, float]]:
-    """A Hugging Face Llama's collated batch split over two ranks on the one GPU, against one process: ring attention
-    runs flash attention in bf16 and the memory-efficient kernel in fp32, whose log-sum-exp is padded to 32 queries
-    (70 tokens padded to 72 to split: chunks of 18); all-to-all runs the model's own SDPA on the whole sequence."""
+    """A Hugging Face Llama's collated batch split over two ranks on the one GPU, against one process: the ring's
+    chunks of queries attend over gathered keys under a causal mask of their own (70 tokens padded to 72 to split:
+    chunks of 18), in bf16 and fp32; all-to-all runs the model's own SDPA on the whole sequence."""
     dist.init_process_group("gloo")  # gloo carries CUDA tensors through the host
     torch.cuda.set_device(0)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))["cp"]

@@ -38,7 +38,6 @@ from lightdist.parallel.tensor import (
     replicated_key_values,
 )
 from lightdist.plan.planner import Cluster, Estimate, GiB, ModelShape, Training, plan_layouts, tensor_parallel_shape
-from lightdist.torch_internals import FakeStore
 
 __all__ = ["format_layouts", "format_plan", "format_stages", "layout_records", "main"]
 
@@ -103,7 +102,7 @@ def _unit_layouts(model: nn.Module, stack: DecoderStack, plan: dict[str, TensorP
     process group on the meta device: by output shapes only, where the run compares numbers as well."""
     if dist.is_initialized():
         return []
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    dist.init_process_group("fake", rank=0, world_size=tp)
     try:
         reasons: list[str] = []
         layouts = probe_layouts(model, stack, plan, init_device_mesh("cpu", (tp,)), report=reasons.append)

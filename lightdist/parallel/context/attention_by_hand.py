@@ -19,7 +19,7 @@ by head again.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -27,9 +27,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightdist.dataflow import tensors_in
-
-if TYPE_CHECKING:
-    from lightdist.parallel.context.split import ContextParallel
+from lightdist.parallel.context.attention import SplitAttention
 
 __all__ = ["BY_HAND_OPS", "AttentionByHand"]
 
@@ -44,7 +42,7 @@ BY_HAND_OPS = _PRODUCTS | _BIASED_PRODUCTS | _ADDITIONS | _FILLS | _VIEWS | {tor
 class AttentionByHand:
     """The steps of attention written by hand, over the whole sequence, for the rank's queries."""
 
-    def __init__(self, cp: ContextParallel) -> None:
+    def __init__(self, cp: SplitAttention) -> None:
         self.cp = cp
 
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:

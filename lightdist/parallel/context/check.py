@@ -25,7 +25,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightdist.dataflow import cloned, tensors_in
-from lightdist.parallel.context.split import ContextParallel, load_balanced_positions
+from lightdist.parallel.context.sequences import load_balanced_positions
+from lightdist.parallel.context.split import ContextParallel
 from lightdist.parallel.loss_tokens import IGNORE_INDEX
 from lightdist.parallel.sharding import local_tensor
 

@@ -10,7 +10,7 @@ the calls the model made (``traced_calls``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -18,13 +18,11 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
+from lightdist.parallel.context.attention import SplitAttention
 from lightdist.parallel.context.attention_by_hand import BY_HAND_OPS, AttentionByHand
 from lightdist.parallel.context.sequence_shard import ELEMENTWISE, SequenceShard, expanded_index, unwrapped
 from lightdist.parallel.context.token_means import TokenMeans
 from lightdist.parallel.context.traced_calls import as_called, functions_of_ops
-
-if TYPE_CHECKING:
-    from lightdist.parallel.context.split import ContextParallel
 
 __all__ = ["TRACED_CALLS", "ContextParallelMode", "shares_into_tensor_parallel_modules"]
 
@@ -48,10 +46,10 @@ TRACED_CALLS = functions_of_ops(
 class ContextParallelMode(TorchFunctionMode):
     """Gives the split sequences' positions and attention to whatever model code runs under it."""
 
-    def __init__(self, cp: ContextParallel) -> None:
+    def __init__(self, cp: SplitAttention, module: nn.Module) -> None:
         super().__init__()
         self.cp = cp
-        self.buffers = {id(buffer) for buffer in cp.module.buffers()}
+        self.buffers = {id(buffer) for buffer in module.buffers()}
         self.by_hand = AttentionByHand(cp)
         self.token_means = TokenMeans(cp)
 

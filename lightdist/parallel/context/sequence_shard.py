@@ -3,12 +3,12 @@
 A step slices, shifts, pads, masks and casts its batch before the model sees it (``batch[:, 1:]``, Hugging Face's
 label shift). Done on the rank's share, a shift would pair each token with a neighbour another rank holds. A
 ``SequenceShard`` keeps the whole sequence as its data and does such ops on it; any other op, the model's embedding or
-the loss's ``view(-1)``, and its shape, see the rank's share (``ContextParallel.local``).
+the loss's ``view(-1)``, and its shape, see the rank's share (``SplitSequences.local``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,11 +16,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightdist.dataflow import tensors_in
+from lightdist.parallel.context.sequences import SplitSequences
 from lightdist.parallel.loss_tokens import IGNORE_INDEX
-from lightdist.torch_internals import subclass_dispatch_disabled
-
-if TYPE_CHECKING:
-    from lightdist.parallel.context.split import ContextParallel
 
 __all__ = ["ELEMENTWISE", "SequenceShard", "expanded_index", "unwrapped"]
 
@@ -45,50 +42,51 @@ class SequenceShard(Tensor):
     take.
     """
 
-    cp: ContextParallel
+    cp: SplitSequences
     ignore_appended = False  # a shift by one that kept the length by a last -100 (``labels[..., 1:]``)
 
     @staticmethod
-    def __new__(cls, whole: Tensor, cp: ContextParallel) -> SequenceShard:
+    def __new__(cls, whole: Tensor, cp: SplitSequences) -> SequenceShard:
         shard = whole.as_subclass(cls)
         shard.cp = cp
         return shard
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        shards = [t for t in tensors_in((args, kwargs)) if isinstance(t, SequenceShard)]
-        cp = shards[0].cp
-        with subclass_dispatch_disabled():
-            if func in (Tensor.size, Tensor.shape.__get__):
-                shape = cp.local_shape(args[0].as_subclass(Tensor))
-                dim = args[1] if len(args) > 1 else kwargs.get("dim")
-                return shape if func is Tensor.shape.__get__ or dim is None else shape[dim]
-            if (
-                func in _METADATA
-                or getattr(func, "__name__", "") == "__get__"
-                or _acts_on_whole(func, args, kwargs, shards)
-            ):
-                out = func(*unwrapped(args, whole=True), **unwrapped(kwargs, whole=True))
-                appended = False
-                if func is Tensor.__getitem__:
-                    index, whole = expanded_index(args[1], args[0].dim()), args[0].as_subclass(Tensor)
-                    out = cp.shift_kept_whole(whole, out, index)
-                    appended = isinstance(index[1], slice) and index[1].start == 1 and out.size(1) == whole.size(1)
-                out = apply_to_collection(out, Tensor, lambda t: SequenceShard(t, cp) if t.dim() >= 2 else t)
-                if appended:
-                    out.ignore_appended = True
-                return out
-            if _joins_sequences(func, args, kwargs):
-                if (shifted := _ignore_appended_again(args[0])) is not None:
-                    return shifted
-                raise ValueError(
-                    f"context_parallel_size={cp.size}: the step joins a batch's sequences to tensors of its own along "
-                    "the sequence (torch.cat or hstack), which this rank's share of the sequence cannot stand for. "
-                    "To shift labels, use labels[..., 1:] (under context parallelism it keeps the sequence's length "
-                    "and ends in -100), with or without a column of -100 joined after it, as torchtune does."
-                )
-            return func(*unwrapped(args, whole=False), **unwrapped(kwargs, whole=False))
+        # Tensor's own __torch_function__ calls what it is given with subclass dispatch off: torch's ops inside see
+        # plain tensors, and what they return is left as it is.
+        return Tensor.__torch_function__(_on_shards, (), (func, args, kwargs or {}))
+
+
+def _on_shards(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func`` on the ``SequenceShard``s among its arguments: on their whole sequences, or on this rank's share."""
+    shards = [t for t in tensors_in((args, kwargs)) if isinstance(t, SequenceShard)]
+    cp = shards[0].cp
+    if func in (Tensor.size, Tensor.shape.__get__):
+        shape = cp.local_shape(args[0].as_subclass(Tensor))
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        return shape if func is Tensor.shape.__get__ or dim is None else shape[dim]
+    if func in _METADATA or getattr(func, "__name__", "") == "__get__" or _acts_on_whole(func, args, kwargs, shards):
+        out = func(*unwrapped(args, whole=True), **unwrapped(kwargs, whole=True))
+        appended = False
+        if func is Tensor.__getitem__:
+            index, whole = expanded_index(args[1], args[0].dim()), args[0].as_subclass(Tensor)
+            out = cp.shift_kept_whole(whole, out, index)
+            appended = isinstance(index[1], slice) and index[1].start == 1 and out.size(1) == whole.size(1)
+        out = apply_to_collection(out, Tensor, lambda t: SequenceShard(t, cp) if t.dim() >= 2 else t)
+        if appended:
+            out.ignore_appended = True
+        return out
+    if _joins_sequences(func, args, kwargs):
+        if (shifted := _ignore_appended_again(args[0])) is not None:
+            return shifted
+        raise ValueError(
+            f"context_parallel_size={cp.size}: the step joins a batch's sequences to tensors of its own along "
+            "the sequence (torch.cat or hstack), which this rank's share of the sequence cannot stand for. "
+            "To shift labels, use labels[..., 1:] (under context parallelism it keeps the sequence's length "
+            "and ends in -100), with or without a column of -100 joined after it, as torchtune does."
+        )
+    return func(*unwrapped(args, whole=False), **unwrapped(kwargs, whole=False))
 
 
 def _acts_on_whole(func: Any, args: tuple, kwargs: dict, shards: list[SequenceShard]) -> bool:

@@ -17,7 +17,7 @@ alike; the check of the step against whole sequences (``context_parallel_check``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +25,8 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightdist.parallel.context.sequence_shard import SequenceShard
+from lightdist.parallel.context.sequences import SplitSequences
 from lightdist.parallel.loss_tokens import IGNORE_INDEX
-
-if TYPE_CHECKING:
-    from lightdist.parallel.context.split import ContextParallel
 
 __all__ = ["TokenMeans"]
 
@@ -45,7 +43,7 @@ class TokenMeans:
 
     OPS = _LOSSES | _SUMS | _MEANS | _DIVISIONS | _CARRY_A_COUNT | {Tensor.__getitem__}
 
-    def __init__(self, cp: ContextParallel) -> None:
+    def __init__(self, cp: SplitSequences) -> None:
         self.cp = cp
         self._sums = WeakIdKeyDictionary()  # a sum over the rank's tokens -> True
         self._selected = WeakIdKeyDictionary()  # the tokens a mask selected from the rank's share -> True
