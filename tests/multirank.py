@@ -20,6 +20,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from multiprocessing import forkserver, reduction
 from typing import Any
 
 import torch
@@ -39,8 +40,40 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+# Ranks fork from a server that imported torch, Lightning, transformers and lightdist once, where a spawned rank
+# imports them itself: seconds of the two cores for each of the suite's hundreds of ranks. The server runs one OpenMP
+# thread, as every rank does (torch starts a pool of them at import, which a fork would leave half copied); a rank
+# takes its caller's environment, standard output and error at its start, as a spawned one inherits them.
+_FORKED = mp.get_context("forkserver")
+_FORKED.set_forkserver_preload(["torch", "lightning.pytorch", "transformers", "lightdist.plugins", "training", "zoo"])
+_STANDARD_STREAMS = (1, 2)
+
+
+def _start_fork_server() -> None:
+    single_threaded = {"OMP_NUM_THREADS": "1"}
+    saved = {name: os.environ.get(name) for name in single_threaded}
+    os.environ.update(single_threaded)
+    try:
+        forkserver.ensure_running()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+
+
+def _rank_main(
+    rank: int, world_size: int, port: int, caller: tuple[dict, list], fn: Callable, args: tuple, results: Any
+) -> None:
     os.setsid()  # a process group of its own, so that ending the rank ends the checkpoint daemon it starts too
+    environ, streams = caller
+    for fd, stream in zip(_STANDARD_STREAMS, streams, strict=True):
+        given = stream.detach()
+        os.dup2(given, fd)
+        os.close(given)
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -69,17 +102,24 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
     os._exit(0)
 
 
-def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0) -> list[Any]:
+def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0, fresh: bool = False) -> list[Any]:
     """``fn(*args)`` on ``world_size`` ranks; returns each rank's result in rank order, or raises a rank's error, or
     names the rank that was killed (as a launcher would see it, when a rank dies without a word).
 
-    ``fn`` must be importable (defined at module level) because ranks are started with ``spawn``.
+    ``fn`` must be importable (defined at module level): ranks receive it by name. ``fresh``: each rank started as a
+    new program, for settings read only as a process starts (glibc's ``MALLOC_`` variables).
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn") if fresh else _FORKED
+    if not fresh:
+        _start_fork_server()
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, results), daemon=False)
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world_size, port, _caller(), fn, args, results),
+            daemon=False,
+        )
         for rank in range(world_size)
     ]
     for proc in procs:
@@ -112,6 +152,11 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0)
     if errors:
         raise RuntimeError("\n".join(errors))
     return [outputs[rank] for rank in range(world_size)]
+
+
+def _caller() -> tuple[dict, list]:
+    """This process's environment and its standard output and error, for a rank to take as its own."""
+    return dict(os.environ), [reduction.DupFd(fd) for fd in _STANDARD_STREAMS]
 
 
 _BESIDE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ranks-beside")

@@ -290,7 +290,7 @@ def peak_memory_per_layout(layouts: list[dict]) -> list[int]:
 def test_memory_estimate_is_within_15_percent_of_what_cpu_ranks_use(monkeypatch: pytest.MonkeyPatch) -> None:
     # Freed tensors go back to the kernel at once (glibc keeps small blocks only), so resident memory follows them.
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    measured = run_ranks(4, peak_memory_per_layout, list(MEMORY_LAYOUTS.values()))
+    measured = run_ranks(4, peak_memory_per_layout, list(MEMORY_LAYOUTS.values()), fresh=True)
     with torch.device("meta"):
         shape = ModelShape(Llama("small", config=SMALL_4_LAYERS))
     for (name, options), per_rank in zip(MEMORY_LAYOUTS.items(), zip(*measured, strict=True), strict=True):
