@@ -37,7 +37,8 @@ ContextParallelMethod = Literal["auto", "ring", "all_to_all"]
 def auto_method(heads: int, cp: int) -> Literal["ring", "all_to_all"]:
     """What ``context_parallel_method="auto"`` picks for ``heads`` query heads (per tensor-parallel rank): the
     all-to-all where they divide among the ``cp`` ranks (key/value heads that do not are repeated to them), since it
-    moves each activation once where the ring passes every key and value block around; else the ring."""
+    moves each activation once where the ring gathers every rank's keys and values twice (forward, and again for
+    backward); else the ring."""
     return "all_to_all" if heads % cp == 0 else "ring"
 
 
