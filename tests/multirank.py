@@ -15,6 +15,7 @@ import queue
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from multiprocessing import forkserver, reduction
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -49,18 +51,12 @@ _FORKED.set_forkserver_preload(["torch", "lightning.pytorch", "transformers", "l
 _STANDARD_STREAMS = (1, 2)
 
 
+_SERVER_START = threading.Lock()  # ranks start from two threads: a group, and the references beside it
+
+
 def _start_fork_server() -> None:
-    single_threaded = {"OMP_NUM_THREADS": "1"}
-    saved = {name: os.environ.get(name) for name in single_threaded}
-    os.environ.update(single_threaded)
-    try:
+    with _SERVER_START, mock.patch.dict(os.environ, OMP_NUM_THREADS="1"):
         forkserver.ensure_running()
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
 
 
 def _rank_main(

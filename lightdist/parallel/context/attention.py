@@ -182,13 +182,13 @@ class SplitAttention(SplitSequences):
             end = (index + 1) * chunk
             mask = torch.ones(chunk, end, dtype=torch.bool, device=query.device).tril(end - chunk)
             if key_bias is not None:
-                mask = torch.where(mask, key_bias.narrow(-1, 0, end), torch.finfo(key_bias.dtype).min)
+                mask = torch.where(mask, key_bias.narrow(-1, 0, end), torch.finfo(key_bias.dtype).min).to(query.dtype)
             outs.append(
                 F.scaled_dot_product_attention(
                     query.narrow(2, half * chunk, chunk),
                     whole_key.narrow(2, 0, end),
                     whole_value.narrow(2, 0, end),
-                    attn_mask=mask.to(query.dtype) if key_bias is not None else mask,
+                    attn_mask=mask,
                     scale=scale,
                     enable_gqa=key.size(1) != query.size(1),
                 )
