@@ -60,7 +60,9 @@ def torchrun(
         *job_args,
         f"--data-path={data}",
     ]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ | env)
+    # A rank that aborts prints where each of its threads stood.
+    env = os.environ | {"PYTHONFAULTHANDLER": "1"} | env
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def finished(agent: subprocess.Popen) -> tuple[int, str]:

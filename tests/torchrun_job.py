@@ -28,6 +28,7 @@ import json
 import os
 import posixpath
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -133,8 +134,13 @@ def main(options: argparse.Namespace) -> None:
     if trainer.is_global_zero:
         torch.save(state, options.run / "final.pt")
     # As torch asks of every script: a process that exits with its process groups alive can be aborted (SIGABRT) by
-    # gloo's worker threads as the interpreter shuts down, after training succeeded (pytorch/pytorch#179291).
+    # gloo's worker threads as the interpreter shuts down, after training succeeded (pytorch/pytorch#179291). It
+    # happened once more after this call, in the interpreter's teardown: the job's work is written, so it leaves
+    # without one, as the tests' ranks do.
     torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
