@@ -52,7 +52,7 @@ from lightdist.parallel.pipeline.traced import (
     traced_stage_sizes,
 )
 from lightdist.parallel.pipeline.whole_copy import whole_copy
-from lightdist.parallel.sharding import ZeroStage, apply_data_parallel
+from lightdist.parallel.sharding import ZeroStage, apply_data_parallel, check_replicas, replicas_problem
 from lightdist.parallel.structure import DecoderStack, find_decoder_stack, find_repeated_blocks
 from lightdist.parallel.tensor import TensorParallelStyle, apply_tensor_parallel, discover_plan
 
@@ -68,6 +68,9 @@ class ParallelConfig:
     Args:
         zero_stage: What data-parallel ranks shard: 0 nothing (DDP), 1 optimizer state, 2 also gradients,
             3 also parameters.
+        data_parallel_replicas: At ZeRO-2/3, the data-parallel ranks split into this many replicas, each sharding
+            the model over its own ranks (HSDP: a node's GPUs, say), gradients all-reduced across replicas; it
+            divides ``data_parallel_size``. 1: every data-parallel rank shards together.
         pipeline_schedule: The schedule that runs microbatches through the pipeline stages: ``"gpipe"`` (all
             forwards, then all backwards), ``"1f1b"`` (at most ``pipeline_parallel_size`` microbatches in flight),
             ``"interleaved_1f1b"`` (each rank holds ``virtual_stages`` stages, which shrinks the bubble that many
@@ -108,6 +111,7 @@ class ParallelConfig:
     """
 
     zero_stage: ZeroStage = 3
+    data_parallel_replicas: int = 1
     pipeline_schedule: PipelineSchedule = "1f1b"
     virtual_stages: int | None = None
     microbatches: int | None = None
@@ -130,6 +134,11 @@ class ParallelConfig:
                 f"zero_stage={self.zero_stage!r} is not a ZeRO stage. Choose 0 (replicate), 1 (shard optimizer "
                 "state), 2 (+ gradients) or 3 (+ parameters)."
             )
+        if not isinstance(self.data_parallel_replicas, int) or self.data_parallel_replicas < 1:
+            raise ValueError(f"data_parallel_replicas={self.data_parallel_replicas!r} must be a positive integer.")
+        problem = replicas_problem(self.data_parallel_replicas, self.data_parallel_replicas, self.zero_stage)
+        if problem is not None:
+            raise ValueError(problem)
         check_schedule(self.pipeline_schedule, self.virtual_stages, self.microbatches)
         if self.activation_checkpointing not in (None, "full", "selective"):
             raise ValueError(
@@ -189,6 +198,7 @@ class ParallelConfig:
             "world_size": layout.world_size,
             "pipeline_parallel_size": pp,
             "data_parallel_size": layout.dp,
+            "data_parallel_replicas": self.data_parallel_replicas,
             "tensor_parallel_size": tp,
             "expert_parallel_size": self.expert_parallel_size,
             "context_parallel_size": layout.cp,
@@ -271,6 +281,7 @@ def parallelize(
     if sharded_by_user or any(isinstance(p, DTensor) for p in model.parameters()):
         return _keep_user_split(model, mesh, config, root, sharded_by_user, report)
     pp, tp = mesh["pp"].size(), mesh["tp"].size()
+    check_replicas(config.data_parallel_replicas, mesh["dp"].size(), config.zero_stage)
     experts = None
     if config.expert_parallel_size > 1:
         experts = find_experts(model)
@@ -602,6 +613,7 @@ def _shard(
         blocks,
         mesh,
         zero_stage=zero_stage,
+        replicas=config.data_parallel_replicas,
         param_dtype=config.param_dtype,
         cpu_offload=config.cpu_offload,
         experts=experts.modules,

@@ -147,6 +147,7 @@ def planned_layout(
         microbatches=config.microbatches,
         stages_per_rank=config.stages_per_pipeline_rank,
         ep=config.expert_parallel_size,
+        replicas=config.data_parallel_replicas,
         cp=cp,
     )
     return ParallelLayout(pp=choice.layout.pp, dp=choice.layout.dp, tp=choice.layout.tp, cp=cp), choice

@@ -28,6 +28,7 @@ from typing_extensions import override
 from lightdist.layout import ParallelLayout, ParallelMesh
 from lightdist.parallel.context import ContextParallel, context_parallel_over
 from lightdist.parallel.expert_parallel import check_expert_layout
+from lightdist.parallel.sharding import check_replicas
 from lightdist.parallelize import ParallelConfig
 from lightdist.plugins.auto_layout import LayoutRequest
 from lightdist.plugins.lightning_internals import give_device_mesh
@@ -120,6 +121,7 @@ class MeshStrategy(ModelParallelStrategy):
         if not self._sizes.planned:
             self._layout = self._resolve_layout()
             check_expert_layout(self._config.expert_parallel_size, self._layout.dp * self._layout.cp)
+            check_replicas(self._config.data_parallel_replicas, self._layout.dp, self._config.zero_stage)
         if self._config.cpu_offload and self.root_device.type == "cpu":
             raise ValueError(
                 "cpu_offload=True moves sharded state from accelerator memory to CPU memory, but the accelerator is "

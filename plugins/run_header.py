@@ -63,6 +63,7 @@ def run_header(
     lines = [
         f"lightdist: {type(module).__name__}, {_count(parameters)} parameters{active}, on {layout.world_size} "
         f"{device}{'s' if layout.world_size > 1 else ''} as {layout}, ZeRO-{run['zero_stage']}"
+        + (f" in {run['data_parallel_replicas']} replicas (HSDP)" if run["data_parallel_replicas"] > 1 else "")
     ]
     split = []
     if layout.cp > 1:

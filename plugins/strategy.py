@@ -1,10 +1,9 @@
 """``ParallelStrategy``: one Lightning strategy for data, tensor and pipeline parallelism with ZeRO sharding.
 
-On the mesh ``MeshStrategy`` builds (``mesh_strategy.py``), it splits the LightningModule with
-``lightdist.parallelize`` and runs each step as Lightning does (every rank runs the whole step on its shards) or,
-under a pipeline, through the schedule's runner (``pipeline_step.py``), which then owns the step's backward as
-DeepSpeed's engine does under Lightning. Its base ``CheckpointingStrategy`` (``checkpointing_strategy.py``) saves and
-loads the sharded checkpoints.
+On the mesh ``MeshStrategy`` builds (``mesh_strategy.py``), it splits the LightningModule with ``lightdist.parallelize``
+and runs each step as Lightning does (every rank runs the whole step on its shards) or, under a pipeline, through the
+schedule's runner (``pipeline_step.py``), which owns the step's backward as DeepSpeed's engine does. Its base
+``CheckpointingStrategy`` (``checkpointing_strategy.py``) saves and loads the sharded checkpoints.
 """
 
 from __future__ import annotations
@@ -58,16 +57,15 @@ class ParallelStrategy(CheckpointingStrategy):
     """Train any LightningModule LLM with ZeRO/FSDP data parallelism on a ``("pp", "dp", "tp")`` DeviceMesh.
 
     Args:
-        data_parallel_size: Ranks that see different batches; ``"auto"``: every rank not used by tensor, pipeline or
-            context parallelism.
+        data_parallel_size: Ranks that see different batches; ``"auto"``: every rank the other sizes leave.
         tensor_parallel_size: Ranks that split each layer's matrices; ``"node"``: the devices of one node.
         pipeline_parallel_size: Ranks that each hold a slice of the decoder stack. With either size ``"auto"`` the
             planner picks the sizes that train the most tokens per second within the devices' memory, for the model
             and the ``seq_len`` and ``batch_size`` (per data-parallel rank) that it or its data module declare,
             by ``lightdist plan``'s estimates; the choice is logged when ``fit`` starts.
-        zero_stage, pipeline_schedule, virtual_stages, microbatches, pipeline_split, pipeline_tracer,
-        activation_checkpointing, sequence_parallel, loss_parallel, cpu_offload, tp_plan, compile, expert_parallel_size,
-        context_parallel_method: How the model is split: ``lightdist.parallelize.ParallelConfig`` documents each.
+        zero_stage, data_parallel_replicas, pipeline_schedule, virtual_stages, microbatches, pipeline_split,
+        pipeline_tracer, activation_checkpointing, sequence_parallel, loss_parallel, cpu_offload, tp_plan, compile,
+        expert_parallel_size, context_parallel_method: How the model is split (``ParallelConfig`` documents each).
         context_parallel_size: Ranks that split each sequence, attention still over all of it (``context_parallel``).
         pretrained, pretrained_prefix: A Hugging Face checkpoint directory (``save_pretrained``, a path or any fsspec
             URL) the run starts from: once split, the model is filled from it, each rank reading only its shards'
@@ -101,6 +99,7 @@ class ParallelStrategy(CheckpointingStrategy):
         tensor_parallel_size: int | Literal["auto", "node"] = 1,
         pipeline_parallel_size: int | Literal["auto"] = 1,
         zero_stage: ZeroStage = 3,
+        data_parallel_replicas: int = 1,
         pipeline_schedule: PipelineSchedule = "1f1b",
         virtual_stages: int | None = None,
         microbatches: int | None = None,
@@ -128,6 +127,7 @@ class ParallelStrategy(CheckpointingStrategy):
         sizes = LayoutRequest(data_parallel_size, tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
         config = ParallelConfig(
             zero_stage=zero_stage,
+            data_parallel_replicas=data_parallel_replicas,
             pipeline_schedule=pipeline_schedule,
             virtual_stages=virtual_stages,
             microbatches=microbatches,
@@ -198,9 +198,8 @@ class ParallelStrategy(CheckpointingStrategy):
     @property
     def run_config(self) -> dict[str, Any]:
         """The layout this run trains under, as its loggers record it (W&B's run config, hparams.yaml)."""
-        precision = self.precision_plugin.precision
-        run = {"loss_weighting": self._loss_weighting, "non_finite": self._non_finite.policy, "precision": precision}
-        return self._config.as_run(self.layout) | run
+        run = {"loss_weighting": self._loss_weighting, "non_finite": self._non_finite.policy}
+        return self._config.as_run(self.layout) | run | {"precision": self.precision_plugin.precision}
 
     def _parallelize(self, module: pl.LightningModule) -> ModelHolder:
         """Split the LightningModule over the mesh (``lightdist.parallelize``); under a pipeline, run its steps

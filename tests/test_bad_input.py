@@ -38,6 +38,18 @@ def test_world_size_must_equal_the_product_of_the_degrees() -> None:
         Trainer(accelerator="cpu", devices=4, strategy=ParallelStrategy(data_parallel_size=3))
 
 
+def test_replicas_must_divide_the_data_parallel_ranks() -> None:
+    with pytest.raises(
+        ValueError, match=r"data_parallel_replicas=3 does not divide data_parallel_size=4: each replica"
+    ):
+        Trainer(accelerator="cpu", devices=4, strategy=ParallelStrategy(data_parallel_replicas=3))
+    # context-parallel peers are no data-parallel ranks: 2 of them do not make room for a second replica
+    with pytest.raises(ValueError, match=r"data_parallel_replicas=2 does not divide data_parallel_size=1"):
+        Trainer(
+            accelerator="cpu", devices=2, strategy=ParallelStrategy(context_parallel_size=2, data_parallel_replicas=2)
+        )
+
+
 def test_under_torchrun_the_error_names_the_launchers_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """torchrun started the ranks: ``devices`` is not what to change."""
     torchrun = dict(TORCHELASTIC_RUN_ID="run", RANK="0", GROUP_RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="3")
@@ -61,6 +73,11 @@ def test_under_torchrun_the_error_names_the_launchers_world_size(monkeypatch: py
         (dict(microbatches=0), r"microbatches=0 must be a positive integer"),
         (dict(activation_checkpointing="some"), r"activation_checkpointing='some' is not one of None, 'full'"),
         (dict(expert_parallel_size=0), r"expert_parallel_size=0 must be a positive integer"),
+        (dict(data_parallel_replicas=0), r"data_parallel_replicas=0 must be a positive integer"),
+        (
+            dict(data_parallel_replicas=2, zero_stage=1),
+            r"data_parallel_replicas=2 splits .* zero_stage=1 shards none: .* Use zero_stage=2 or 3 with",
+        ),
         (
             dict(expert_parallel_size=2, zero_stage=1),
             r"zero_stage=1 with expert_parallel_size=2: .* Use zero_stage=0, 2 or 3 with expert parallelism",

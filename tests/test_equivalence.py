@@ -20,6 +20,7 @@ TP2_NO_SP = dict(tensor_parallel_size=2, sequence_parallel=False)
 PP2 = dict(pipeline_parallel_size=2)  # 1F1B over 2 microbatches, by default
 CP2 = dict(context_parallel_size=2)  # the method picked by the heads: all-to-all where they divide
 CP2_RING = dict(context_parallel_size=2, context_parallel_method="ring")
+HSDP2 = dict(zero_stage=3, data_parallel_replicas=2)  # 2 replicas, each sharding over its half of the ranks
 
 CASES = {
     2: {
@@ -275,6 +276,10 @@ CASES = {
     },
     4: {
         "zero2_clip": Case(strategy=dict(zero_stage=2), gradient_clip_val=0.1),
+        "hsdp2_zero3_clip": Case(strategy=HSDP2, gradient_clip_val=0.1, validate=True),
+        "zoo_hf_llama_hsdp2_zero2_collated": Case(
+            strategy=dict(HSDP2, zero_stage=2), model="zoo_hf_llama_finetuning", data="collated"
+        ),
         "cp4_ring": Case(strategy=dict(context_parallel_size=4, context_parallel_method="ring")),
         "zoo_hf_qwen2_logits_cp4": Case(strategy=dict(context_parallel_size=4), model="zoo_hf_qwen2_logits"),
         "cp2_dp2_zero3_clip": Case(strategy=dict(CP2, zero_stage=3), gradient_clip_val=0.1),
@@ -391,6 +396,10 @@ CASES = {
         ),
     },
     8: {  # 3D: pp=2 x dp=2 x tp=2
+        # HSDP beside tensor parallelism, a pipeline and context parallelism: dp=4 as 2 replicas of 2 shards
+        "zoo_nanogpt_hsdp2_tp2": Case(strategy=dict(HSDP2, **TP2), model="zoo_nanogpt"),
+        "pp2_hsdp2_clip": Case(strategy=dict(PP2, **HSDP2), gradient_clip_val=0.1),
+        "zoo_litgpt_cp2_hsdp2": Case(strategy=dict(CP2, **HSDP2), model="zoo_litgpt"),
         "cp2_dp2_tp2_zero3": Case(strategy=dict(CP2, **TP2, zero_stage=3)),
         "pp2_cp2_tp2": Case(strategy=dict(PP2, **CP2, **TP2_NO_SP)),
         "3d_clip": Case(strategy=dict(PP2, **TP2), gradient_clip_val=0.1, validate=True),

@@ -17,7 +17,9 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import RichProgressBar
 
+from lightdist.models import Llama
 from lightdist.plugins import ParallelStrategy
+from lightdist.plugins.run_header import run_header
 from lightdist.quiet import silence_known_noise
 
 from multirank import run_ranks
@@ -192,3 +194,14 @@ def test_a_users_own_script_prints_no_checkpoint_process_lines_and_the_headers_m
     assert "`seq_len`" in memory and "`batch_size`" in memory, memory
     printed = run_users_script(tmp_path / "debug", LIGHTDIST_LOG="debug")
     assert all(noise in printed for noise in checkpoint_process)
+
+
+def test_the_header_names_the_replicas_and_the_run_config_records_them() -> None:
+    """Before any process starts: 4 ranks as 2 replicas of 2 ZeRO-3 shards, as the header says it and W&B records it."""
+    trainer = Trainer(accelerator="cpu", devices=4, strategy=ParallelStrategy(data_parallel_replicas=2), logger=False)
+    strategy = trainer.strategy
+    strategy.connect(Llama("tiny"))
+    run = strategy.run_config
+    assert run["data_parallel_replicas"] == 2
+    header = run_header(strategy, trainer, run, parameters=1000, estimate=None, why_not="not asked")
+    assert header.splitlines()[0].endswith("on 4 CPU ranks as pp=1 x dp=4 x tp=1, ZeRO-3 in 2 replicas (HSDP)")

@@ -19,7 +19,7 @@ from lightdist.cli import main
 from lightdist.layout import ParallelLayout
 from lightdist.models import Llama, MoELlama, TokenDataModule
 from lightdist.models.llama import LLAMA_PRESETS
-from lightdist.plan.planner import Cluster, GiB, Layout, ModelShape, Training, estimate
+from lightdist.plan.planner import Cluster, GiB, Layout, ModelShape, Training, estimate, plan_layouts
 from lightdist.plugins import ParallelStrategy
 
 from multirank import run_ranks
@@ -167,6 +167,25 @@ def test_each_zero_stage_shards_what_the_paper_says() -> None:
     assert stages[3].params == pytest.approx(4 * psi / 8 + 2 * outside, rel=1e-3)
     assert stages[0].activations == stages[3].activations
     assert stages[0].step_s < stages[3].step_s  # ZeRO-3 gathers the weights again for every microbatch
+
+
+def test_replicas_hold_a_node_s_shard_and_send_only_gradient_shards_between_nodes() -> None:
+    """ZeRO-3 over 64 data-parallel ranks on 8 nodes, and in 8 replicas of a node each (HSDP): a replica's rank holds
+    an 8th of the model's state rather than a 64th, and its step is shorter, the weights gathered inside the node."""
+    shape, cluster = ModelShape(meta_llama("8b")), Cluster(gpus=64)
+    training = Training(seq_len=4096, global_batch=64)
+    psi = shape.parameters
+    across, within = (
+        estimate(shape, Layout(pp=1, dp=64, tp=1, zero_stage=3, replicas=replicas), training, cluster)
+        for replicas in (1, 8)
+    )
+    assert across.optimizer / psi == pytest.approx(8 / 64, rel=1e-3)
+    assert within.optimizer / psi == pytest.approx(8 / 8, rel=1e-3)
+    assert within.grads / psi == pytest.approx(4 / 8, rel=1e-3)
+    assert within.step_s < across.step_s
+    # the search offers it where ZeRO's ranks span nodes
+    assert any(plan.layout.replicas == 8 for plan in plan_layouts(shape, training, cluster))
+    assert not Layout(pp=1, dp=6, tp=1, zero_stage=3, replicas=4).divides_evenly()
 
 
 def test_plan_recommends_a_layout_for_70b_on_64_gpus(capsys: pytest.CaptureFixture) -> None:

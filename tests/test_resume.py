@@ -70,8 +70,8 @@ def uninterrupted(case: Case, devices: int = 2) -> Result:
 
 
 def stop_and_resume(saved: Case, resumed: Case, checkpoint: str) -> tuple[Result, Result]:
-    train(saved, devices=2, callbacks=[StopAfter(EPOCH)], save_to=checkpoint)
-    return uninterrupted(resumed), train(resumed, devices=2, resume_from=checkpoint)
+    stop_and_save(saved, checkpoint, 2)
+    return uninterrupted(resumed), resume_from(resumed, checkpoint, 2)
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +114,25 @@ def test_run_saved_to_s3_and_gcs_by_four_ranks_resumes_from_last_on_four_and_on_
     assert_two_newest_complete(gcs_storage, gcs_run, ranks=2)
 
 
+def test_a_run_saved_by_two_replicas_resumes_as_one_and_on_two_ranks(tmp_path) -> None:
+    """HSDP saves the model's and the optimizer's state, not the replicas': saved by 2 replicas of 2 ZeRO-3 shards
+    each, it resumes on the same 4 ranks sharding together, and on 2 ranks (the same global batch)."""
+    checkpoint = str(tmp_path / "hsdp.ckpt")
+    in_replicas = two_epochs(zero_stage=3, data_parallel_replicas=2)
+    on_four, on_two = two_epochs(zero_stage=3), two_epochs(batch_size=8, zero_stage=3)
+    calls = [
+        (stop_and_save, (in_replicas, checkpoint, 4)),
+        (uninterrupted, (on_four, 4)),
+        (resume_from, (on_four, checkpoint, 4)),
+    ]
+    (_, uninterrupted_on_four, resumed_on_four), *_ = run_ranks(4, run_each, calls)
+    (uninterrupted_on_two, resumed_on_two), _ = run_ranks(
+        2, run_each, [(uninterrupted, (on_two,)), (resume_from, (on_two, checkpoint, 2))]
+    )
+    assert_continues(uninterrupted_on_four, resumed_on_four)
+    assert_continues(uninterrupted_on_two, resumed_on_two)
+
+
 def assert_two_newest_complete(storage: AbstractFileSystem, run: str, ranks: int) -> None:
     """Every step saved in the background; the two newest stayed, each complete, and last.ckpt names the newest.
     Each rank wrote its own shards straight to the bucket; Lightning's loop state sits beside them."""
@@ -122,6 +141,15 @@ def assert_two_newest_complete(storage: AbstractFileSystem, run: str, ranks: int
         "epoch=1-step=6.ckpt": checkpoint_files(ranks),
         "last.ckpt": ["epoch=1-step=6.ckpt"],
     }
+
+
+def stop_and_save(case: Case, checkpoint: str, devices: int) -> None:
+    """The run stopped midway and saved to ``checkpoint`` by ``trainer.save_checkpoint``."""
+    train(case, devices, callbacks=[StopAfter(EPOCH)], save_to=checkpoint)
+
+
+def resume_from(case: Case, checkpoint: str, devices: int) -> Result:
+    return train(case, devices, resume_from=checkpoint)
 
 
 def stop_saving_to(case: Case, run: str, devices: int) -> None:

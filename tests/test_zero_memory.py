@@ -1,4 +1,5 @@
-"""Each ZeRO stage holds what the ZeRO paper says it holds, measured per rank at dp=4.
+"""Each ZeRO stage holds what the ZeRO paper says it holds, measured per rank at dp=4; in 2 replicas (HSDP), what it
+holds at dp=2, each replica sharding over its own 2 ranks.
 
 For fp32 training with Adam, Psi parameters cost 4 Psi bytes of weights, 4 Psi of gradients and 8 Psi of optimizer
 state (exp_avg, exp_avg_sq); stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the
@@ -47,31 +48,38 @@ class _MeasureState(Callback):
         )
 
 
-def measure(zero_stage: int) -> dict[str, int]:
+# (zero_stage, data_parallel_replicas)
+LAYOUTS = [(0, 1), (1, 1), (2, 1), (3, 1), (2, 2), (3, 2)]
+
+
+def measure(zero_stage: int, replicas: int) -> dict[str, int]:
     probe = _MeasureState()
-    training.train(Case(strategy=dict(zero_stage=zero_stage), steps=1), devices=DP, callbacks=[probe])
+    case = Case(strategy=dict(zero_stage=zero_stage, data_parallel_replicas=replicas), steps=1)
+    training.train(case, devices=DP, callbacks=[probe])
     return probe.bytes
 
 
-def measure_all_stages() -> list[dict[str, int]]:
-    return [measure(stage) for stage in range(4)]
+def measure_all_layouts() -> list[dict[str, int]]:
+    return [measure(*layout) for layout in LAYOUTS]
 
 
 @pytest.fixture(scope="module")
-def per_rank_bytes() -> list[list[dict[str, int]]]:
-    """[rank][stage] -> bytes."""
-    return run_ranks(DP, measure_all_stages)
+def per_rank_bytes() -> list[dict[tuple[int, int], dict[str, int]]]:
+    """[rank][(stage, replicas)] -> bytes."""
+    return [dict(zip(LAYOUTS, measured, strict=True)) for measured in run_ranks(DP, measure_all_layouts)]
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
-def test_zero_stage_memory_matches_the_paper(per_rank_bytes, zero_stage: int) -> None:
+@pytest.mark.parametrize(("zero_stage", "replicas"), LAYOUTS)
+def test_zero_stage_memory_matches_the_paper(per_rank_bytes, zero_stage: int, replicas: int) -> None:
     psi = sum(p.numel() for p in training.MODELS["llama"]().parameters())
     shards = {"params": zero_stage >= 3, "grads": zero_stage >= 2, "optimizer": zero_stage >= 1}
     full_bytes = {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
-    for rank, stages in enumerate(per_rank_bytes):
-        measured = stages[zero_stage]
+    sharding = DP // replicas
+    for rank, layouts in enumerate(per_rank_bytes):
+        measured = layouts[zero_stage, replicas]
         for kind, sharded in shards.items():
-            expected = full_bytes[kind] / DP if sharded else full_bytes[kind]
+            expected = full_bytes[kind] / sharding if sharded else full_bytes[kind]
             assert measured[kind] == pytest.approx(expected, rel=0.10), (
-                f"rank {rank}, ZeRO-{zero_stage} {kind}: {measured[kind]} bytes, paper says {expected:.0f}"
+                f"rank {rank}, ZeRO-{zero_stage} in {replicas} replicas, {kind}: {measured[kind]} bytes, the paper "
+                f"says {expected:.0f}"
             )

@@ -8,7 +8,12 @@
 | 3     | sharded                | reduce-scattered | sharded              | FSDP2, ``reshard_after_forward=True``   |
 
 Every stage wraps each decoder block and then the root, so a block's parameters are gathered just before use
-(stages 2-3) and its gradients reduced as soon as its backward ends. Stages 0-1 are ``fully_shard`` on an HSDP mesh
+(stages 2-3) and its gradients reduced as soon as its backward ends.
+
+Stages 2-3 shard over every data-parallel rank, or with ``replicas`` over each of that many groups of them (HSDP,
+torchtitan's ``dp_replicate x dp_shard``): a replica's ranks (a node, say) shard the state and gather the parameters
+over their own links, and gradients, reduce-scattered within the replica, are all-reduced across replicas, so the
+slow links carry one gradient shard per step and no parameter gather. Stages 0-1 are ``fully_shard`` on an HSDP mesh
 whose shard dimension has one rank, ``(dp, 1)`` (torchtitan's ``("dp_replicate", "dp_shard")``): each rank keeps
 whole parameters, gathers from no other rank, and all-reduces gradients over ``dp``, which is DDP. FSDP2's machinery
 rather than the composable DDP ``replicate``, which drops the gradients of tensor-parallel DTensor parameters.
@@ -32,8 +37,10 @@ __all__ = [
     "ShardedOptimizer",
     "ZeroStage",
     "apply_data_parallel",
+    "check_replicas",
     "local_tensor",
     "optimizer_states_to",
+    "replicas_problem",
     "step_mixed_meshes_per_tensor",
 ]
 
@@ -46,13 +53,14 @@ def apply_data_parallel(
     mesh: DeviceMesh,
     *,
     zero_stage: ZeroStage,
+    replicas: int = 1,
     param_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
     experts: Iterable[nn.Module] = (),
     expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """Make ``root`` data parallel over the ``"dp"`` ranks of ``mesh`` (the ``("pp", "dp", "tp")`` mesh), sharding as
-    much as ``zero_stage`` asks, one unit per block.
+    much as ``zero_stage`` asks, one unit per block; at stages 2-3, within each of ``replicas`` groups of them.
 
     ``param_dtype`` is the compute dtype of FSDP2's mixed precision; gradients are always reduced in fp32.
     ``experts`` (split by expert parallelism) are units of their own over the ``"edp"`` ranks of ``expert_mesh`` (the
@@ -68,7 +76,7 @@ def apply_data_parallel(
         # Nothing to reshard: a shard of one rank is the whole parameter.
         wrap = partial(fully_shard, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
     else:
-        dp_mesh = mesh["dp"]
+        dp_mesh = mesh["dp"] if replicas == 1 else _hybrid_mesh(mesh, "dp", replicas)
         edp_mesh = expert_mesh["edp"] if expert_mesh is not None else None
         wrap = partial(
             fully_shard,
@@ -88,6 +96,45 @@ def apply_data_parallel(
     for block in blocks:
         wrap(block)
     wrap(root)
+
+
+def replicas_problem(replicas: int, dp: int, zero_stage: int) -> str | None:
+    """Why ``replicas`` cannot split ``dp`` data-parallel ranks at ``zero_stage`` (and what to choose), or ``None``."""
+    if replicas == 1:
+        return None
+    if zero_stage < 2:
+        return (
+            f"data_parallel_replicas={replicas} splits the ranks that shard parameters into replicas, but "
+            f"zero_stage={zero_stage} shards none: every data-parallel rank is a replica already. Use zero_stage=2 "
+            "or 3 with data_parallel_replicas, or leave it at 1."
+        )
+    if dp % replicas:
+        return (
+            f"data_parallel_replicas={replicas} does not divide data_parallel_size={dp}: each replica must hold as "
+            "many data-parallel ranks as the others. Choose a data_parallel_replicas that divides the data-parallel "
+            "size."
+        )
+    return None
+
+
+def check_replicas(replicas: int, dp: int, zero_stage: int) -> None:
+    """Refuse ``replicas`` that the layout cannot take: as soon as the layout is known, before any process starts."""
+    problem = replicas_problem(replicas, dp, zero_stage)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def _hybrid_mesh(mesh: DeviceMesh, dim: str, replicas: int) -> DeviceMesh:
+    """The 2-D ``(dim + "_replicate", dim + "_shard")`` mesh that splits ``mesh``'s ``dim`` into ``replicas`` runs of
+    neighbouring ranks (the closest ranks shard together), for ``fully_shard``'s HSDP. Built over ``mesh``'s whole
+    ranks tensor, with which FSDP2 joins a tensor-parallel parameter's mesh. A collective: every rank builds the
+    mesh's groups."""
+    names = mesh.mesh_dim_names
+    at = names.index(dim)
+    shape = mesh.mesh.shape
+    ranks = mesh.mesh.reshape(*shape[:at], replicas, shape[at] // replicas, *shape[at + 1 :])
+    split = (f"{dim}_replicate", f"{dim}_shard")
+    return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=(*names[:at], *split, *names[at + 1 :]))[split]
 
 
 def _replicated_mesh(mesh: DeviceMesh, dim: str) -> DeviceMesh:

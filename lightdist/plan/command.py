@@ -177,6 +177,7 @@ def layout_records(shape: ModelShape, training: Training, cluster: Cluster, ep: 
             "cp": plan.layout.cp,
             "ep": plan.layout.ep,
             "zero_stage": plan.layout.zero_stage,
+            "replicas": plan.layout.replicas,
             "activation_checkpointing": plan.layout.activation_checkpointing or "",
             "microbatches": plan.layout.microbatches,
             **{

@@ -33,6 +33,7 @@ from torch.func import functional_call
 from lightdist.parallel.context import auto_method
 from lightdist.parallel.expert_parallel import expert_layout_problem, find_experts
 from lightdist.parallel.pipeline.structural import balanced_split, stage_costs
+from lightdist.parallel.sharding import replicas_problem
 from lightdist.parallel.structure import find_decoder_stack
 from lightdist.parallel.tensor import (
     TensorParallelStyle,
@@ -77,15 +78,17 @@ class Layout:
     loss_parallel: bool = False  # under tp, the logits stay split by vocabulary
     ep: int = 1  # data-parallel ranks that split each MoE layer's experts
     cp: int = 1  # ranks that split each sequence, beside each data-parallel rank
+    replicas: int = 1  # groups of data-parallel ranks that each shard the ZeRO state (HSDP)
 
     def __str__(self) -> str:
         context = f" x cp={self.cp}" if self.cp > 1 else ""
         experts = f", ep={self.ep}" if self.ep > 1 else ""
+        replicas = f" in {self.replicas} replicas" if self.replicas > 1 else ""
         checkpointing = f", {self.activation_checkpointing} ckpt" if self.activation_checkpointing else ""
         pipeline = f", {self.microbatches} microbatches" if self.pp > 1 else ""
         return (
-            f"pp={self.pp} x dp={self.dp}{context} x tp={self.tp}{experts}, ZeRO-{self.zero_stage}{checkpointing}"
-            f"{pipeline}"
+            f"pp={self.pp} x dp={self.dp}{context} x tp={self.tp}{experts}, ZeRO-{self.zero_stage}{replicas}"
+            f"{checkpointing}{pipeline}"
         )
 
     @property
@@ -94,9 +97,16 @@ class Layout:
         context-parallel peers."""
         return self.dp * self.cp
 
-    def takes_experts(self) -> bool:
-        """Whether expert parallelism over ``ep`` ranks fits this layout, by the strategy's own rule."""
-        return expert_layout_problem(self.ep, self.reducing) is None
+    @property
+    def sharding(self) -> int:
+        """Ranks that shard ZeRO state together: a replica's share of the reducing ranks."""
+        return self.reducing // self.replicas
+
+    def divides_evenly(self) -> bool:
+        """Whether expert parallelism over ``ep`` ranks and the replicas fit this layout, by the strategy's own
+        rules."""
+        replicas = replicas_problem(self.replicas, self.dp, self.zero_stage)
+        return expert_layout_problem(self.ep, self.reducing) is None and replicas is None
 
 
 @dataclass(frozen=True)
@@ -216,11 +226,11 @@ class ModelShape:
             )
         return self._blocks_per_stage[pp]
 
-    def rank_parameters(self, pp: int, tp: int, dp: int, ep: int = 1) -> list[tuple[int, int]]:
+    def rank_parameters(self, pp: int, tp: int, dp: int, ep: int = 1, replicas: int = 1) -> list[tuple[int, int]]:
         """For each pipeline rank: the parameters it holds as tensor and expert parallelism leave them, and its ZeRO
-        shard of them (FSDP2 splits each tensor's first dimension over ``dp`` ranks, padding it to a multiple; experts
-        over the ``dp / ep`` ranks that hold the same ones)."""
-        return [(whole, sharded) for whole, sharded, _ in self._count_parameters(pp, tp, dp, ep)]
+        shard of them (FSDP2 splits each tensor's first dimension over the ``dp / replicas`` ranks of a replica,
+        padding it to a multiple; experts over the ``dp / ep`` ranks that hold the same ones)."""
+        return [(whole, sharded) for whole, sharded, _ in self._count_parameters(pp, tp, dp, ep, replicas)]
 
     def root_parameters(self, pp: int, tp: int) -> list[int]:
         """For each pipeline rank: its parameters outside the blocks (embeddings, final norm, head), which the FSDP2
@@ -311,8 +321,10 @@ class ModelShape:
             per_block[index] += saved[storage]
         return per_block, square_seen
 
-    def _count_parameters(self, pp: int, tp: int, dp: int, ep: int = 1) -> list[tuple[int, int, int]]:
-        key = (pp, tp, dp, ep)
+    def _count_parameters(
+        self, pp: int, tp: int, dp: int, ep: int = 1, replicas: int = 1
+    ) -> list[tuple[int, int, int]]:
+        key = (pp, tp, dp, ep, replicas)
         if key not in self._rank_parameters:
             sizes = self.blocks_per_stage(pp)
             whole_modules = set(replicated_key_values(self._modules, self.plan, tp)) if tp > 1 else set()
@@ -328,7 +340,8 @@ class ModelShape:
                         shape, shards = (tensor.shape[0] // ep, *tensor.shape[1:]), dp // ep
                     else:
                         style = None if tensor.module in whole_modules else tensor.style
-                        shape, shards = tensor_parallel_shape(tensor.shape, style, tp, weight=tensor.weight), dp
+                        shape = tensor_parallel_shape(tensor.shape, style, tp, weight=tensor.weight)
+                        shards = dp // replicas
                     whole += math.prod(shape)
                     sharded += math.ceil(shape[0] / shards) * math.prod(shape[1:])
                     outside += math.prod(shape) if first or last else 0
@@ -351,7 +364,7 @@ def estimate(shape: ModelShape, layout: Layout, training: Training, cluster: Clu
         )
     ]
     worst: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
-    rank_parameters = shape.rank_parameters(layout.pp, layout.tp, layout.reducing, layout.ep)
+    rank_parameters = shape.rank_parameters(layout.pp, layout.tp, layout.reducing, layout.ep, layout.replicas)
     for pp_rank, ((whole, sharded), outside) in enumerate(
         zip(rank_parameters, shape.root_parameters(layout.pp, layout.tp), strict=True)
     ):
@@ -427,16 +440,16 @@ def _step_seconds(
         )
         context_parallel = blocks * layout.microbatches * volume / (bandwidth * 1e9)
     data_parallel = 0.0
-    if layout.reducing > 1:
-        params = shape.parameters / layout.tp / layout.pp
-        share = (layout.reducing - 1) / layout.reducing
+    params = shape.parameters / layout.tp / layout.pp
+    if layout.sharding > 1:
+        share = (layout.sharding - 1) / layout.sharding
         # ZeRO-3 gathers weights for forward and backward of each microbatch and reduce-scatters fp32 gradients;
         # the other stages all-reduce fp32 gradients (a reduce-scatter and an all-gather of the same size).
         gathers = 2 * compute_bytes * layout.microbatches + 4 if zero == 3 else 2 * 4
-        volume = share * params * gathers
-        crosses_nodes = layout.tp * layout.reducing > cluster.gpus_per_node
-        bandwidth = cluster.inter_node_gbps if crosses_nodes else cluster.intra_node_gbps
-        data_parallel = volume / (bandwidth * 1e9)
+        data_parallel += share * params * gathers / (_bandwidth(cluster, layout.tp * layout.sharding) * 1e9)
+    if layout.replicas > 1:  # HSDP: each rank's reduced gradient shard all-reduced across the replicas
+        share = 2 * (layout.replicas - 1) / layout.replicas
+        data_parallel += share * params / layout.sharding * 4 / (_bandwidth(cluster, layout.tp * layout.reducing) * 1e9)
     expert_parallel = 0.0
     if layout.ep > 1 and shape.experts is not None:
         # Per MoE layer and microbatch, each token's hidden states to its top_k experts and back, and their gradients
@@ -448,6 +461,11 @@ def _step_seconds(
         bandwidth = cluster.inter_node_gbps if crosses_nodes else cluster.intra_node_gbps
         expert_parallel = moe_layers * layout.microbatches * volume / (bandwidth * 1e9)
     return compute + tensor_parallel + context_parallel + data_parallel + expert_parallel
+
+
+def _bandwidth(cluster: Cluster, span: int) -> float:
+    """GB/s per rank of a collective over ``span`` neighbouring ranks: between nodes where they do not fit in one."""
+    return cluster.inter_node_gbps if span > cluster.gpus_per_node else cluster.intra_node_gbps
 
 
 def plan_layouts(shape: ModelShape, training: Training, cluster: Cluster, ep: int = 1) -> list[Estimate]:
@@ -482,18 +500,29 @@ def _best_of_split(
     if pp > shape.n_layers or not sequences or sequences % training.micro_batch or training.seq_len % (2 * cp):
         return None
     microbatches = sequences // training.micro_batch
-    if (pp > 1 and microbatches < pp) or not Layout(pp, dp, tp, ep=ep, cp=cp).takes_experts():
+    if (pp > 1 and microbatches < pp) or not Layout(pp, dp, tp, ep=ep, cp=cp).divides_evenly():
         return None
     reducing = dp * cp
-    options = [
-        estimate(shape, Layout(pp, dp, tp, zero, checkpointing, microbatches, ep=ep, cp=cp), training, cluster)
+    layouts = [
+        Layout(pp, dp, tp, zero, checkpointing, microbatches, ep=ep, cp=cp, replicas=replicas)
         for zero in ((0, 1, 2, 3) if reducing > 1 else (0,))
         if not (pp > 1 and zero == 3)  # under a pipeline ZeRO-3 is ZeRO-2 (see estimate)
         and not (ep > 1 and zero == 1)  # ZeRO-1 deals whole parameters over every data-parallel rank
+        for replicas in {1, _replicas_of_a_node(dp, cp, tp, cluster) if zero >= 2 else 1}
         for checkpointing in (None, "selective", "full")
     ]
+    options = [estimate(shape, layout, training, cluster) for layout in layouts if layout.divides_evenly()]
     fitting = [option for option in options if option.fits]
     return min(fitting, key=lambda e: (e.step_s, e.total)) if fitting else min(options, key=lambda e: e.total)
+
+
+def _replicas_of_a_node(dp: int, cp: int, tp: int, cluster: Cluster) -> int:
+    """The replicas that keep ZeRO's gathers inside a node (torchtitan's HSDP): as many as the nodes the
+    data-parallel ranks span, where a node holds whole data-parallel ranks and their context-parallel peers; else 1."""
+    per_node = cluster.gpus_per_node // (tp * cp)
+    if per_node == 0 or cluster.gpus_per_node % (tp * cp) or dp % per_node:
+        return 1
+    return dp // per_node
 
 
 def choose_layout(
@@ -512,6 +541,7 @@ def choose_layout(
     stages_per_rank: int = 1,
     ep: int = 1,
     cp: int = 1,
+    replicas: int = 1,
 ) -> Estimate:
     """The split of ``cluster.gpus`` ranks that trains the most tokens per second and fits, for sizes left ``None``.
 
@@ -533,8 +563,10 @@ def choose_layout(
                 continue
             if pp_size * stages_per_rank > shape.n_layers:
                 continue
-            layout = Layout(pp_size, dp_size, tp_size, zero_stage, activation_checkpointing, chunks, ep=ep, cp=cp)
-            if not layout.takes_experts():
+            layout = Layout(
+                pp_size, dp_size, tp_size, zero_stage, activation_checkpointing, chunks, ep=ep, cp=cp, replicas=replicas
+            )
+            if not layout.divides_evenly():
                 continue
             training = Training(seq_len, batch_per_replica * dp_size, batch_per_replica // chunks, precision)
             candidates.append(estimate(shape, layout, training, cluster))
@@ -544,6 +576,7 @@ def choose_layout(
             + (f" with {fixed}" if fixed else "")
             + f": tp must divide its heads and stay inside a node of {cluster.gpus_per_node}"
             + (f", ep={ep} divide dp, pp or tp be 1" if ep > 1 else "")
+            + (f", data_parallel_replicas={replicas} divide dp" if replicas > 1 else "")
             + ", pp at most "
             f"{shape.n_layers // stages_per_rank} stages, and the microbatches must divide batch_size="
             f"{batch_per_replica}. Set the sizes yourself, or change the device count or the batch size."
