@@ -93,6 +93,7 @@ def test_main_job_config_trains_3d_and_saves_every_ranks_shard(tmp_path: Path) -
         "world_size": 8,
         "pipeline_parallel_size": 2,
         "data_parallel_size": 2,
+        "data_parallel_replicas": 1,
         "tensor_parallel_size": 2,
         "expert_parallel_size": 1,
         "context_parallel_size": 1,
