@@ -136,7 +136,7 @@ class ParallelConfig:
             )
         if not isinstance(self.data_parallel_replicas, int) or self.data_parallel_replicas < 1:
             raise ValueError(f"data_parallel_replicas={self.data_parallel_replicas!r} must be a positive integer.")
-        problem = replicas_problem(self.data_parallel_replicas, self.data_parallel_replicas, self.zero_stage)
+        problem = replicas_problem(self.data_parallel_replicas, self.zero_stage)  # the layout checks the divisor
         if problem is not None:
             raise ValueError(problem)
         check_schedule(self.pipeline_schedule, self.virtual_stages, self.microbatches)

@@ -98,8 +98,9 @@ def apply_data_parallel(
     wrap(root)
 
 
-def replicas_problem(replicas: int, dp: int, zero_stage: int) -> str | None:
-    """Why ``replicas`` cannot split ``dp`` data-parallel ranks at ``zero_stage`` (and what to choose), or ``None``."""
+def replicas_problem(replicas: int, zero_stage: int, dp: int | None = None) -> str | None:
+    """Why ``replicas`` cannot split the data-parallel ranks at ``zero_stage``, nor ``dp`` of them where it is known
+    (and what to choose), or ``None``."""
     if replicas == 1:
         return None
     if zero_stage < 2:
@@ -108,7 +109,7 @@ def replicas_problem(replicas: int, dp: int, zero_stage: int) -> str | None:
             f"zero_stage={zero_stage} shards none: every data-parallel rank is a replica already. Use zero_stage=2 "
             "or 3 with data_parallel_replicas, or leave it at 1."
         )
-    if dp % replicas:
+    if dp is not None and dp % replicas:
         return (
             f"data_parallel_replicas={replicas} does not divide data_parallel_size={dp}: each replica must hold as "
             "many data-parallel ranks as the others. Choose a data_parallel_replicas that divides the data-parallel "
@@ -119,7 +120,7 @@ def replicas_problem(replicas: int, dp: int, zero_stage: int) -> str | None:
 
 def check_replicas(replicas: int, dp: int, zero_stage: int) -> None:
     """Refuse ``replicas`` that the layout cannot take: as soon as the layout is known, before any process starts."""
-    problem = replicas_problem(replicas, dp, zero_stage)
+    problem = replicas_problem(replicas, zero_stage, dp=dp)
     if problem is not None:
         raise ValueError(problem)
 

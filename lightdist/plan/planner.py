@@ -105,7 +105,7 @@ class Layout:
     def divides_evenly(self) -> bool:
         """Whether expert parallelism over ``ep`` ranks and the replicas fit this layout, by the strategy's own
         rules."""
-        replicas = replicas_problem(self.replicas, self.dp, self.zero_stage)
+        replicas = replicas_problem(self.replicas, self.zero_stage, dp=self.dp)
         return expert_layout_problem(self.ep, self.reducing) is None and replicas is None
 
 
@@ -435,10 +435,7 @@ def _step_seconds(
             volume = 8 * (layout.cp - 1) / layout.cp * width
         else:
             volume = 3 * (layout.cp - 1) * 2 * width
-        bandwidth = (
-            cluster.inter_node_gbps if layout.tp * layout.cp > cluster.gpus_per_node else cluster.intra_node_gbps
-        )
-        context_parallel = blocks * layout.microbatches * volume / (bandwidth * 1e9)
+        context_parallel = blocks * layout.microbatches * volume / (_bandwidth(cluster, layout.tp * layout.cp) * 1e9)
     data_parallel = 0.0
     params = shape.parameters / layout.tp / layout.pp
     if layout.sharding > 1:
@@ -457,9 +454,7 @@ def _step_seconds(
         moe_layers = math.ceil(len(shape.experts.names) / layout.pp)
         pairs = training.micro_batch * training.seq_len * (shape.experts.top_k or shape.experts.num_experts)
         volume = 4 * pairs * shape.dim * compute_bytes * (layout.ep - 1) / layout.ep
-        crosses_nodes = layout.tp * layout.ep > cluster.gpus_per_node
-        bandwidth = cluster.inter_node_gbps if crosses_nodes else cluster.intra_node_gbps
-        expert_parallel = moe_layers * layout.microbatches * volume / (bandwidth * 1e9)
+        expert_parallel = moe_layers * layout.microbatches * volume / (_bandwidth(cluster, layout.tp * layout.ep) * 1e9)
     return compute + tensor_parallel + context_parallel + data_parallel + expert_parallel
 
 
