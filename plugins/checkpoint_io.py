@@ -47,6 +47,8 @@ class ShardedCheckpointIO(CheckpointIO):
     def __init__(self, async_checkpoint: AsyncMode | None = "process") -> None:
         self.async_checkpoint = async_checkpoint
         self.blocked_s = 0.0
+        # False in all but one of several replica groups: their checkpoints would be the same, written to one place
+        self.writes = True
         self._saver: CheckpointSaver | None = None
         self._failures_logged = 0
 
@@ -97,6 +99,8 @@ class ShardedCheckpointIO(CheckpointIO):
                 "profiles once with ParallelStrategy(storage_options={'s3': {...}}); credentials come from the "
                 "environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) or the profile."
             )
+        if not self.writes:
+            return
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         with self.blocking():
@@ -156,12 +160,12 @@ class ShardedCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
         """Remove a checkpoint once every save asked for before has completed, so that retention never takes the
         last complete checkpoint. Rank 0 removes; the other ranks return."""
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and self.writes:
             self._checkpoint_saver.remove(str(path))
 
     def point(self, pointer: str | os.PathLike, checkpoint: str | os.PathLike) -> None:
         """Make the small file ``pointer`` name ``checkpoint`` once that checkpoint is complete: ``last.ckpt``."""
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and self.writes:
             self._checkpoint_saver.point(str(pointer), str(checkpoint))
 
     def wait_for_staging(self) -> None:

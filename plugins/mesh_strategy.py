@@ -35,6 +35,7 @@ from lightdist.plugins.lightning_internals import give_device_mesh
 from lightdist.plugins.resume import ResumesLast, resuming_launcher
 from lightdist.resilience.failures import FailureReport
 from lightdist.resilience.heartbeat import Heartbeat, name_the_silent_rank, store_on_rank_zero
+from lightdist.resilience.replica_groups import ReplicaGroup
 from lightdist.resilience.restarts import nodes_started_by_torchrun, round_store
 from lightdist.torch_internals import set_group_timeout
 
@@ -62,6 +63,7 @@ class MeshStrategy(ModelParallelStrategy):
         self._heartbeat: Heartbeat | None = None
         self._failures: FailureReport | None = None
         self.context_parallel: ContextParallel | None = None  # each sequence split over neighbouring "dp" ranks
+        self.replica_group: ReplicaGroup | None = None  # this launch's place among replica groups, while fit runs
 
     @property
     def layout(self) -> ParallelLayout:
@@ -214,8 +216,14 @@ class MeshStrategy(ModelParallelStrategy):
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
         """Reduce over the data-parallel ranks unless told otherwise: what a step logs with ``sync_dist=True`` is the
-        same on tensor-parallel peers and on every pipeline stage, and a sum over the world would count it again."""
-        return super().reduce(tensor, group if group is not None else self.device_mesh["dp"].get_group(), reduce_op)
+        same on tensor-parallel peers and on every pipeline stage, and a sum over the world would count it again.
+        Among replica groups, a mean or sum also spans the other groups' shares of the batch."""
+        reduced = super().reduce(tensor, group if group is not None else self.device_mesh["dp"].get_group(), reduce_op)
+        if self.replica_group is None or group is not None or not isinstance(reduced, Tensor):
+            return reduced
+        if reduce_op in ("mean", "avg", ReduceOp.AVG):
+            return self.replica_group.average(reduced)
+        return self.replica_group.sum(reduced) if reduce_op in ("sum", ReduceOp.SUM) else reduced
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -225,6 +233,9 @@ class MeshStrategy(ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self.replica_group is not None:
+            self.replica_group.shutdown()
+            self.replica_group = None
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None

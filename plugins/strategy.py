@@ -39,10 +39,12 @@ from lightdist.plugins.metric_sync import metrics_set_aside, reduce_metrics_over
 from lightdist.plugins.non_finite import NonFiniteGuard, NonFinitePolicy, NonFiniteStep
 from lightdist.plugins.options import validate_options
 from lightdist.plugins.pipeline_step import PipelineStep, example_model_call, pipeline_step_over
+from lightdist.plugins.replica_step import join_replica_group, step_in_quorum
 from lightdist.plugins.run_header import announce_run
 from lightdist.plugins.steps import Steps
 from lightdist.plugins.strategy_names import STRATEGY_NAMES
 from lightdist.plugins.token_weights import LossWeighting, TokenWeights
+from lightdist.resilience.replica_groups import ReplicaGroups
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -59,35 +61,26 @@ class ParallelStrategy(CheckpointingStrategy):
     Args:
         data_parallel_size: Ranks that see different batches; ``"auto"``: every rank the other sizes leave.
         tensor_parallel_size: Ranks that split each layer's matrices; ``"node"``: the devices of one node.
-        pipeline_parallel_size: Ranks that each hold a slice of the decoder stack. With either size ``"auto"`` the
-            planner picks the sizes that train the most tokens per second within the devices' memory, for the model
-            and the ``seq_len`` and ``batch_size`` (per data-parallel rank) that it or its data module declare,
-            by ``lightdist plan``'s estimates; the choice is logged when ``fit`` starts.
+        pipeline_parallel_size: Ranks that each hold a slice of the decoder stack. With either size ``"auto"``,
+            ``lightdist plan``'s estimates pick the fastest sizes that fit in memory (``docs/planner.md``).
         zero_stage, data_parallel_replicas, pipeline_schedule, virtual_stages, microbatches, pipeline_split,
         pipeline_tracer, activation_checkpointing, sequence_parallel, loss_parallel, cpu_offload, tp_plan, compile,
         expert_parallel_size, context_parallel_method: How the model is split (``ParallelConfig`` documents each).
         context_parallel_size: Ranks that split each sequence, attention still over all of it (``context_parallel``).
-        pretrained, pretrained_prefix: A Hugging Face checkpoint directory (``save_pretrained``, a path or any fsspec
-            URL) the run starts from: once split, the model is filled from it, each rank reading only its shards'
-            bytes (``lightdist.checkpoint.pretrained``; a resume reads the run's own checkpoint instead). The
-            checkpoint's names are those of the parameters under ``pretrained_prefix``, e.g. ``"model"`` for
-            ``self.model``. A ``PretrainedWeights`` in place of the URL also lists new weights and maps other names.
-        async_checkpoint: How checkpoints saved during ``fit`` upload behind training once staged in CPU memory:
-            ``"process"`` (DCP's daemon process per rank, free of the training process's GIL), ``"thread"``, or
-            ``None`` to save before training goes on.
-        storage_options: fsspec options per protocol for checkpoint URLs, e.g. ``{"s3": {"endpoint_url": ...,
-            "profile": "training", "client_kwargs": {"region_name": "eu-west-1"}}}``; they become fsspec's
-            configuration in this process. Credentials are refused: they would be saved with the config.
-        loss_weighting: How batches weigh against each other across data-parallel ranks and an accumulation:
-            ``"tokens"``, by their labelled tokens, where lightdist can count them (the global batch's mean, as one
-            process computes it); ``"batches"``, each its own mean alike, as Lightning does (``token_weights.py``).
-        non_finite: What a step whose gradient norm is not finite (over every shard and stage) does: ``"skip"``
-            it, ``"rollback"`` to the newest complete checkpoint, or ``"stop"`` the run (``plugins/non_finite.py``
-            says how each works); ``None`` (default) checks nothing. Each event is counted in
-            ``train/non_finite_steps``.
-        collective_timeout: Seconds a collective waits for the other ranks before it fails (default 1800, torch's),
-            in every group the strategy makes. The rank that times out names the rank that stopped answering: each
-            rank's heartbeat (its step, and where its main thread is) is in a store rank 0 serves.
+        pretrained, pretrained_prefix: A Hugging Face checkpoint (a path or fsspec URL, or a ``PretrainedWeights``)
+            the split model is filled from, each rank reading its shards' bytes, named as the parameters under
+            ``pretrained_prefix`` (``docs/pretrained.md``).
+        async_checkpoint: How saves during ``fit`` upload behind training: ``"process"``, ``"thread"`` or ``None``.
+        storage_options: fsspec options per protocol for checkpoint URLs, e.g. ``{"s3": {"endpoint_url": ...}}``;
+            credentials are refused, as they would be saved with the config (``docs/checkpoints.md``).
+        loss_weighting: How batches weigh across data-parallel ranks and an accumulation: ``"tokens"``, by their
+            labelled tokens where counted (one process's mean); ``"batches"``, alike, as Lightning does.
+        non_finite: What a step whose gradient norm is not finite does: ``"skip"`` it, ``"rollback"`` to the newest
+            complete checkpoint, ``"stop"`` the run (``plugins/non_finite.py``), or ``None``: check nothing.
+        replica_groups: Train as one of several launches that survive each other (``ReplicaGroups``, on torchft):
+            each step's global batch is dealt among the groups alive, and a step a group dies in is redone.
+        collective_timeout: Seconds a collective waits for the other ranks before it fails (default 1800, torch's);
+            the rank that times out names the rank that stopped answering, from their heartbeats.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; default: the device's own.
     """
 
@@ -120,6 +113,7 @@ class ParallelStrategy(CheckpointingStrategy):
         storage_options: dict[str, dict[str, Any]] | None = None,
         loss_weighting: LossWeighting = "tokens",
         non_finite: NonFinitePolicy | None = None,
+        replica_groups: ReplicaGroups | None = None,
         collective_timeout: float = 1800.0,
         process_group_backend: str | None = None,
     ) -> None:
@@ -146,10 +140,9 @@ class ParallelStrategy(CheckpointingStrategy):
             sizes, config, async_checkpoint, storage_options, loss_weighting, non_finite, collective_timeout
         )
         super().__init__(sizes, config, collective_timeout, process_group_backend, async_checkpoint)
-        # Applied now: Lightning looks for ckpt_path="last" before any strategy hook runs. Every rank's process builds
-        # the strategy (the script runs in each, under torchrun and Lightning's launcher alike).
-        configure(storage_options or {})
+        configure(storage_options or {})  # now: Lightning looks for ckpt_path="last" before any strategy hook runs
         self._non_finite = NonFiniteGuard(non_finite)
+        self._replica_groups = replica_groups.resolved() if replica_groups else None  # the lighthouse and name
         self.pipeline_step: PipelineStep | None = None  # runs this rank's pipeline stages; its clock times the bubble
         self._loss_weighting = loss_weighting
         self.steps: Steps | None = None  # how each of Lightning's steps runs on this layout, weighed by its tokens
@@ -191,6 +184,7 @@ class ParallelStrategy(CheckpointingStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             skip_lightning_backward(trainer, self.pipeline_step is not None)
+            self.replica_group = join_replica_group(self._replica_groups, trainer, self.steps, self.root_device)
         self.setup_precision_plugin()
         self.gradient_norm = GradientNorm(self.lightning_module, self.device_mesh, self.pipeline_step)
         self.precision_plugin.clip_grad_by_norm = self.gradient_norm.clip
@@ -257,7 +251,10 @@ class ParallelStrategy(CheckpointingStrategy):
         return self.context_parallel.whole_sequences(output) if self.context_parallel else output
 
     def _step(self, name: str, lightning_step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Lightning's step ``name``, or under a pipeline the schedule's run of it (``steps.py``)."""
+        """Lightning's step ``name``, or under a pipeline the schedule's run of it (``steps.py``), on this replica
+        group's share of a training batch."""
+        if name == "training_step" and self.replica_group is not None:
+            args = (self.replica_group.deal(args[0]), *args[1:])
         if self.pipeline_step is None:
             return self.steps.run(name, lambda batch: lightning_step(batch, *args[1:], **kwargs), args[0])
         run = partial(self.pipeline_step.run, name, optimizers=self.optimizers, precision=self.precision_plugin)
@@ -282,12 +279,15 @@ class ParallelStrategy(CheckpointingStrategy):
         def closure_then_wait_for_staging() -> Any:
             loss = closure()
             self.steps.token_weights.scale_gradients(optimizer, self.lightning_module.trainer.accumulate_grad_batches)
+            if self.replica_group is not None:
+                self.replica_group.average_gradients(self.lightning_module.parameters())
             self._non_finite.check(lambda: self.gradient_norm(optimizer), loss, self.lightning_module)
             self.checkpoint_io.wait_for_staging()
             return loss
 
+        attempt = partial(super().optimizer_step, optimizer, closure_then_wait_for_staging, model, **kwargs)
         try:
-            return super().optimizer_step(optimizer, closure_then_wait_for_staging, model, **kwargs)
+            return step_in_quorum(self.replica_group, attempt, optimizer, self.checkpoint_io)
         except NonFiniteStep as event:
             optimizer.zero_grad(set_to_none=True)
             self._non_finite.after_skipped_step(event, self.lightning_module.trainer, roll_back=self._roll_back)
