@@ -48,7 +48,7 @@ SHELL_BLOCKS = {
         "tests/test_export.py::test_exported_file_loads_into_the_plain_model"
     ),
     ".venv/bin/lightdist verify --config configs/3d.yaml": RUN_HERE,
-    '.venv/bin/torchft_lighthouse --min_replicas 1 --join_timeout_ms 60000 --heartbeat_timeout_ms 2000 --bind '
+    ".venv/bin/torchft_lighthouse --min_replicas 1 --join_timeout_ms 60000 --heartbeat_timeout_ms 2000 --bind "
     '"[::]:29510" &\nfor group in 0 1 2; do\nLIGHTDIST_REPLICA_GROUP=group-$group .venv/bin/lightdist fit --config '
     "configs/replica_groups_cpu.yaml &\ndone\nwait": (
         "tests/test_configs.py::test_the_replica_groups_config_trains_three_groups_of_two_ranks"
