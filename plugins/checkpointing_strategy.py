@@ -8,7 +8,7 @@ whatever layout the run now has, and the random state is taken back as training 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -22,9 +22,19 @@ from lightdist.parallel.tensor import reorder_optimizer_state
 from lightdist.parallelize import ParallelConfig, Parallelized
 from lightdist.plugins.auto_layout import LayoutRequest
 from lightdist.plugins.checkpoint_io import ShardedCheckpointIO
+from lightdist.plugins.lightning_internals import checkpoint_now, restore_after_setup
 from lightdist.plugins.mesh_strategy import MeshStrategy
-from lightdist.plugins.rank_state import deal_samples_in_turn, gather_rank_states, set_epoch_to_train, take_rank_state
+from lightdist.plugins.rank_state import (
+    add_rank_state,
+    deal_samples_in_turn,
+    gather_rank_states,
+    set_epoch_to_train,
+    take_rank_state,
+)
 from lightdist.resilience.rng import set_rng_state
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = ["CheckpointingStrategy"]
 
@@ -45,6 +55,7 @@ class CheckpointingStrategy(MeshStrategy):
         self._sharded_io = ShardedCheckpointIO(async_checkpoint)
         self._parallelized: Parallelized | None = None
         self._rng_state_to_restore: dict[str, Any] | None = None
+        self._live_checkpoint: dict[str, Any] | None = None  # received from a live replica group, to resume from
 
     @property
     @override
@@ -77,9 +88,7 @@ class CheckpointingStrategy(MeshStrategy):
         training (``async_checkpoint``); a save outside ``fit`` returns when the checkpoint is complete.
         """
         trainer = self.lightning_module.trainer
-        in_turn = deal_samples_in_turn(trainer.train_dataloader)
-        epoch_done = trainer.fit_loop.epoch_loop.batch_progress.current.ready >= trainer.num_training_batches
-        gather_rank_states(checkpoint, self.root_device, self.layout, self._data_parallel, in_turn, epoch_done)
+        gather_rank_states(checkpoint, self.root_device, self.layout, self._data_parallel, *_data_position(trainer))
         checkpoint["state_dict"] = buffers_copied(self.lightning_module, checkpoint["state_dict"])
         url = self.broadcast(str(filepath))  # rank 0's path, so every rank writes into one checkpoint
         running = trainer.state.status == TrainerStatus.RUNNING
@@ -90,10 +99,31 @@ class CheckpointingStrategy(MeshStrategy):
     def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
         self.checkpoint_io.remove_checkpoint(filepath)
 
+    def live_checkpoint(self) -> dict[str, Any]:
+        """Lightning's checkpoint of the run as it stands, without its tensors, with this rank's random state and data
+        position: what the same rank of a replica group that joins resumes from (``plugins/replica_step.py``)."""
+        trainer = self.lightning_module.trainer
+        checkpoint = checkpoint_now(trainer)
+        del checkpoint["state_dict"], checkpoint["optimizer_states"]
+        add_rank_state(checkpoint, self.root_device, self.layout, self._data_parallel, *_data_position(trainer))
+        return checkpoint
+
+    def resume_from_live(self, checkpoint: dict[str, Any]) -> None:
+        """Resume from a live group's ``live_checkpoint``, its tensors already loaded: ``fit`` restores it once set
+        up, in place of any ``ckpt_path``."""
+        self._rng_state_to_restore = take_rank_state(
+            checkpoint, rank=self.global_rank, layout=self.layout, data_parallel=self._data_parallel
+        )
+        self._live_checkpoint = checkpoint
+        restore_after_setup(self.lightning_module.trainer, checkpoint)
+
     @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded checkpoint of any ZeRO stage and layout, keyed by the LightningModule's own parameter
         names, from a path or any fsspec URL, or from a pointer to one."""
+        if self._live_checkpoint is not None:  # a replica group that joined: the live state, not the stored one
+            checkpoint, self._live_checkpoint = self._live_checkpoint, None
+            return checkpoint
         # Rank 0 alone writes commits and pointers (last.ckpt): its broadcast, once they are done, lets the others read.
         self.checkpoint_io.wait()
         url = self.broadcast(str(checkpoint_path))
@@ -135,3 +165,10 @@ class CheckpointingStrategy(MeshStrategy):
                 # Rank 0 alone commits and writes last.ckpt: once fit returns, every rank finds them written.
                 self.barrier("lightdist: last checkpoint complete")
         super().teardown()  # ShardedCheckpointIO.teardown waits for the uploads in any case
+
+
+def _data_position(trainer: pl.Trainer) -> tuple[bool, bool]:
+    """Whether the training loaders deal samples to the ranks in turn, and whether the epoch's batches are all drawn
+    (``gather_rank_states``)."""
+    epoch_done = trainer.fit_loop.epoch_loop.batch_progress.current.ready >= trainer.num_training_batches
+    return deal_samples_in_turn(trainer.train_dataloader), epoch_done

@@ -23,10 +23,12 @@ if TYPE_CHECKING:
 __all__ = [
     "SUBCLASS_PRIVATES",
     "SubprocessScriptLauncher",
+    "checkpoint_now",
     "data_source",
     "give_device_mesh",
     "last_checkpoints_found_by",
     "metric_forward_cache",
+    "restore_after_setup",
     "set_metric_progress",
     "skip_lightning_backward",
 ]
@@ -53,6 +55,17 @@ def last_checkpoints_found_by(callback: ModelCheckpoint, trainer: pl.Trainer) ->
     """The ``last*.ckpt`` files a ``ModelCheckpoint`` without a directory of its own would resume from: Lightning's
     search, in the directory it would derive from the trainer's loggers."""
     return callback._find_last_checkpoints(trainer)
+
+
+def checkpoint_now(trainer: pl.Trainer) -> dict[str, Any]:
+    """Lightning's checkpoint of the run as it stands, as ``Trainer.save_checkpoint`` would save it."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def restore_after_setup(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> None:
+    """Have ``fit`` restore ``checkpoint`` (loops, callbacks, LR schedulers, data module) once the strategy is set up,
+    as it restores the one ``ckpt_path`` names: the state a replica group that joins receives from a live one."""
+    trainer._checkpoint_connector._loaded_checkpoint = checkpoint
 
 
 def skip_lightning_backward(trainer: pl.Trainer, skip: bool) -> None:

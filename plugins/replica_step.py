@@ -1,29 +1,40 @@
 """``ParallelStrategy``'s part in replica groups (``lightdist.resilience.replica_groups``): joining at ``fit``, after
-refusing what a group could not train exactly as one process does, and each optimizer step taken in a quorum."""
+refusing what a group could not train exactly as one process does; the state a group that joins receives from a live
+one, rank by rank; and each optimizer step taken in a quorum."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
+from torch import Tensor
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightdist.plugins.checkpoint_io import ShardedCheckpointIO
-from lightdist.plugins.steps import Steps
 from lightdist.resilience.replica_groups import ReplicaGroup, ReplicaGroups, StepNotCommitted
 
-__all__ = ["join_replica_group", "step_in_quorum"]
+if TYPE_CHECKING:
+    from lightdist.plugins.strategy import ParallelStrategy
+
+__all__ = ["LiveState", "join_replica_group", "step_in_quorum"]
 
 
-def join_replica_group(
-    options: ReplicaGroups | None, trainer: Trainer, steps: Steps, device: torch.device
-) -> ReplicaGroup | None:
-    """This rank's place among the replica groups, or ``None`` where the run trains in one launch."""
+def join_replica_group(options: ReplicaGroups | None, strategy: ParallelStrategy) -> ReplicaGroup | None:
+    """This rank's place among the replica groups, joined (and healed, where the others have stepped); ``None``
+    where the run trains in one launch."""
     if options is None:
         return None
+    trainer = strategy.lightning_module.trainer
     if not trainer.lightning_module.automatic_optimization:
         raise ValueError(
             "replica_groups take each step's quorum around Lightning's optimizer step, which manual optimization "
@@ -35,13 +46,45 @@ def join_replica_group(
             f"{trainer.accumulate_grad_batches} spreads a step over batches already used: raise the batch size in "
             "its place, or set accumulate_grad_batches=1."
         )
-    if steps.token_weights.countable and not steps.token_weights.batches_alike:
+    if strategy.steps.token_weights.countable and not strategy.steps.token_weights.batches_alike:
         raise ValueError(
             "replica_groups weigh each group's share of a batch by its samples, but this model's steps weigh by "
             "their labelled tokens (loss_weighting='tokens'), which are not yet counted across groups: set "
             "loss_weighting='batches', or train in one launch."
         )
-    return ReplicaGroup(options, dist.get_rank(), dist.get_world_size(), device)
+    live = LiveState(strategy)
+    trainer.callbacks.append(live)
+    group = ReplicaGroup(options, dist.get_rank(), dist.get_world_size(), strategy.root_device, live.state, live.heal)
+    group.join()
+    return group
+
+
+class LiveState(Callback):
+    """What the same rank of a group that joins receives from this one: Lightning's checkpoint as a save at the end
+    of the last committed step holds it (loops, data position, LR schedulers, callbacks, random state), and this
+    rank's shards of the weights and optimizer state as they stand. Those change only when the step under way
+    commits, which torchft holds back until the group that joins has read them."""
+
+    def __init__(self, strategy: ParallelStrategy) -> None:
+        self.strategy = strategy
+        self._saved: dict[str, Any] | None = None  # at the end of the last committed step
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        self._saved = self.strategy.live_checkpoint()
+
+    def state(self) -> dict[str, Any]:
+        return {"checkpoint": self._saved, "shards": _apply(_training_state(self.strategy), _local)}
+
+    def heal(self, received: dict[str, Any]) -> None:
+        strategy = self.strategy
+        module = strategy.lightning_module
+        state = _training_state(strategy)
+        with torch.no_grad():
+            _fill(state, received["shards"])
+        set_model_state_dict(module, state["state_dict"])
+        for index, optimizer in enumerate(strategy.optimizers):
+            set_optimizer_state_dict(module, optimizer, state[f"optimizer_{index}"])
+        strategy.resume_from_live(received["checkpoint"])
 
 
 def step_in_quorum(
@@ -60,3 +103,37 @@ def step_in_quorum(
             continue
         checkpoint_io.writes = group.place == 0  # the group first in the step's quorum saves the checkpoints
         return stepped
+
+
+def _training_state(strategy: ParallelStrategy) -> dict[str, Any]:
+    """The module's and optimizers' state as DCP's state-dict functions give it: this rank's shards, by name."""
+    module = strategy.lightning_module
+    state = {"state_dict": get_model_state_dict(module)}
+    for index, optimizer in enumerate(strategy.optimizers):
+        state[f"optimizer_{index}"] = get_optimizer_state_dict(module, optimizer)
+    return state
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _apply(tree: Any, fn: Callable[[Tensor], Any]) -> Any:
+    if isinstance(tree, Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {key: _apply(value, fn) for key, value in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_apply(value, fn) for value in tree)
+    return tree
+
+
+def _fill(tree: dict[str, Any], received: dict[str, Any]) -> None:
+    """Copy ``received``'s tensors into ``tree``'s (its shards, of the same shapes) and take its other values."""
+    for key, value in tree.items():
+        if isinstance(value, Tensor):
+            _local(value).copy_(received[key])
+        elif isinstance(value, dict):
+            _fill(value, received[key])
+        else:
+            tree[key] = received[key]

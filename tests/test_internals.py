@@ -25,9 +25,11 @@ from lightdist.parallel.sharding import optimizer_states_to
 from lightdist.parallelize import materialize
 from lightdist.plugins import lightning_internals
 from lightdist.plugins.lightning_internals import (
+    checkpoint_now,
     data_source,
     give_device_mesh,
     metric_forward_cache,
+    restore_after_setup,
     set_metric_progress,
     skip_lightning_backward,
 )
@@ -245,6 +247,44 @@ def test_lightning_internals_behave_as_lightdist_relies_on() -> None:
     assert module.loader is loader
     assert module.transferred == 4 and torch.equal(module.moved, torch.ones(2))  # three batches, and ours
     assert torch.equal(module.layer.weight, module.initial)  # no backward ran: the optimizer had no gradients
+
+
+class _Restores(pl.Callback):
+    """Hands ``fit`` a checkpoint to restore as the strategy's setup does for a replica group that joins; keeps the
+    checkpoint of the run as it ends."""
+
+    def __init__(self, checkpoint: dict | None = None) -> None:
+        self.checkpoint = checkpoint
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        if self.checkpoint is not None:
+            restore_after_setup(trainer, self.checkpoint)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.checkpoint = checkpoint_now(trainer)
+
+
+def test_a_checkpoint_taken_in_memory_resumes_fit_without_a_ckpt_path() -> None:
+    def fit(steps: int, restores: _Restores) -> _Recorder:
+        module = _Recorder()
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=steps,
+            callbacks=[restores],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module, torch.utils.data.DataLoader(torch.ones(8, 2), batch_size=1))
+        return module
+
+    first = _Restores()
+    fit(2, first)
+    assert first.checkpoint["global_step"] == 2 and "loops" in first.checkpoint
+    resumed = fit(3, _Restores(first.checkpoint))
+    assert len(resumed.steps_after) == 1  # steps 0 and 1 were the first run's: the loop resumed at step 2
 
 
 def test_torchmetrics_internals_behave_as_lightdist_relies_on() -> None:

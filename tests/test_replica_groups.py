@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,11 +22,24 @@ from lightdist.plugins import ParallelStrategy
 from lightdist.resilience.replica_groups import ReplicaGroups
 
 from multirank import raised, run_each, run_ranks
-from training import WEIGHT_ATOL, Case, References, Result, checkpoint_files, keep_two_newest, listing, train
+from training import (
+    WEIGHT_ATOL,
+    Case,
+    References,
+    Result,
+    checkpoint_files,
+    keep_two_newest,
+    listing,
+    merge_stages,
+    train,
+)
 
 GROUPS = 3
 CASE = Case(strategy=dict(zero_stage=3), batch_size=6)  # 6 rows a rank: 2 for each of 3 groups, 3 for each of 2
-REFERENCES = References([CASE.reference(world_size=2)])
+LONG = Case(strategy=dict(zero_stage=3), batch_size=6, steps=16)  # long enough for a group started again to join
+TP2 = Case(strategy=dict(zero_stage=3, tensor_parallel_size=2), batch_size=12)  # 4 rows for each of 3 groups, 6 of 2
+PP2 = Case(strategy=dict(zero_stage=3, pipeline_parallel_size=2, microbatches=2), batch_size=12)
+REFERENCES = References([case.reference(world_size=2) for case in (CASE, LONG, TP2, PP2)])
 
 
 @pytest.fixture
@@ -36,19 +52,39 @@ def lighthouse() -> Iterator[str]:
 
 
 class KillRankAt(Callback):
-    """SIGKILLs this rank mid-step, between its forward and backward, at ``step``, in the group named ``group``."""
+    """SIGKILLs this rank at ``step``, in the group named ``group`` as first started: mid-step, between its forward
+    and backward, or ``before`` the step begins."""
 
-    def __init__(self, group: str, rank: int, step: int) -> None:
-        self.group, self.rank, self.step = group, rank, step
+    def __init__(self, group: str, rank: int, step: int, before: bool = False) -> None:
+        self.group, self.rank, self.step, self.before = group, rank, step, before
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.before:
+            self._kill_if_at(trainer)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
-        options = trainer.strategy.replica_group.options
-        if options.group == self.group and trainer.global_rank == self.rank and trainer.global_step == self.step:
+        if not self.before:
+            self._kill_if_at(trainer)
+
+    def _kill_if_at(self, trainer) -> None:
+        group = trainer.strategy.replica_group
+        at = trainer.global_rank == self.rank and trainer.global_step == self.step and group.joined_at == 0
+        if group.options.group == self.group and at:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Pace(Callback):
+    """Each step takes at least ``seconds``: a group started again finds the others still training."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        time.sleep(self.seconds)
+
+
 class GroupShares(Callback):
-    """The rows of each step's batch that this group trained on, and the steps it redid."""
+    """The rows of each step's batch that this group trained on, the steps it redid, whether it wrote checkpoints."""
 
     def __init__(self) -> None:
         self.rows: list[int] = []
@@ -56,65 +92,107 @@ class GroupShares(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.rows.append(trainer.strategy.replica_group.rows)
         self.redone = trainer.strategy.replica_group.steps_redone
+        self.joined_at = trainer.strategy.replica_group.joined_at
         self.writes = trainer.strategy.checkpoint_io.writes
 
 
-def train_in_group(
-    case: Case, lighthouse: str, group: str, callbacks: list[Callback]
-) -> tuple[Result, list[int], int, bool]:
-    """``case`` trained in the replica group ``group``: its result, its rows of each step's batch, the steps it
-    redid, and whether it wrote the checkpoints of the last step."""
+@dataclass
+class GroupRun:
+    result: Result
+    rows: list[int]  # of each step's batch, this group's
+    redone: int  # steps
+    joined_at: int  # the step it joined at: 0, or where the others stood when it was started again
+    writes: bool  # checkpoints, at the last step
+
+
+def train_in_group(case: Case, lighthouse: str, group: str, callbacks: list[Callback]) -> GroupRun:
     options = ReplicaGroups(lighthouse=lighthouse, group=group, groups=GROUPS, timeout=20.0)
     shares = GroupShares()
-    in_group = Case(**{**case.__dict__, "strategy": {**case.strategy, "replica_groups": options}})
-    return train(in_group, 2, [*callbacks, shares]), shares.rows, shares.redone, shares.writes
+    result = train(
+        Case(**{**case.__dict__, "strategy": {**case.strategy, "replica_groups": options}}), 2, [*callbacks, shares]
+    )
+    return GroupRun(result, shares.rows, shares.redone, shares.joined_at, shares.writes)
 
 
 def run_groups(
-    lighthouse: str, callbacks: list[Callback] = ()
-) -> list[list[tuple[Result, list[int], int, bool]] | BaseException]:
-    """Every group's ranks' results, or the error its launch ended with."""
+    lighthouse: str, case: Case, callbacks: list[Callback] = (), start_again: str | None = None
+) -> list[list[list[GroupRun] | BaseException]]:
+    """Each group's launches: its ranks' runs, or the error the launch ended with; the group ``start_again`` is
+    started again once its first launch fails."""
+
+    def launches(group: str) -> list[list[GroupRun] | BaseException]:
+        try:
+            return [run_ranks(2, train_in_group, case, lighthouse, group, list(callbacks), timeout=240)]
+        except RuntimeError as lost:
+            if group != start_again:
+                return [lost]
+            return [lost, run_ranks(2, train_in_group, case, lighthouse, group, list(callbacks), timeout=240)]
+
     with ThreadPoolExecutor(GROUPS) as pool:
-        launches = [
-            pool.submit(run_ranks, 2, train_in_group, CASE, lighthouse, f"group-{g}", list(callbacks), timeout=240)
-            for g in range(GROUPS)
-        ]
-        return [launch.exception() or launch.result() for launch in launches]
+        return list(pool.map(launches, [f"group-{g}" for g in range(GROUPS)]))
 
 
-def assert_same_training(result: Result, single: Result) -> None:
-    torch.testing.assert_close(result.losses, single.losses, rtol=1e-5, atol=0)
-    torch.testing.assert_close(result.grad_norms, single.grad_norms, rtol=1e-5, atol=0)
+def assert_same_training(result: Result, single: Result, since: int = 0) -> None:
+    """``result`` trained as ``single`` did, from step ``since`` on."""
+    torch.testing.assert_close(result.losses, single.losses[since:], rtol=1e-5, atol=0)
+    torch.testing.assert_close(result.grad_norms, single.grad_norms[since:], rtol=1e-5, atol=0)
     for key in single.params:
         torch.testing.assert_close(result.params[key], single.params[key], rtol=1e-5, atol=WEIGHT_ATOL, msg=key)
 
 
 def test_three_groups_train_as_one_process_on_the_global_batch(lighthouse: str) -> None:
     single = REFERENCES[CASE.reference(world_size=2)]
-    for group in run_groups(lighthouse):
+    for (group,) in run_groups(lighthouse, CASE):
         assert not isinstance(group, BaseException), group
-        for result, rows, redone, _ in group:
-            assert_same_training(result, single)
-            assert rows == [2] * CASE.steps and redone == 0
+        for rank in group:
+            assert_same_training(rank.result, single)
+            assert rank.rows == [2] * CASE.steps and rank.redone == 0 and rank.joined_at == 0
 
 
-def test_the_others_go_on_when_a_group_loses_a_rank_mid_step_and_redo_that_step(lighthouse: str, tmp_path) -> None:
-    single = REFERENCES[CASE.reference(world_size=2)]
+def test_a_group_that_loses_a_rank_mid_step_is_left_out_and_its_replacement_heals_from_the_others(
+    lighthouse: str, tmp_path: Path
+) -> None:
+    single = REFERENCES[LONG.reference(world_size=2)]
     run = str(tmp_path / "run")
-    first, lost, last = run_groups(lighthouse, [KillRankAt("group-1", rank=1, step=2), keep_two_newest(run)])
+    kill = KillRankAt("group-1", rank=1, step=2)
+    (first,), (lost, replacement), (last,) = run_groups(
+        lighthouse, LONG, [kill, Pace(0.3), keep_two_newest(run)], start_again="group-1"
+    )
     assert isinstance(lost, RuntimeError) and "killed by SIGKILL" in str(lost)
-    # The same processes trained every step, on the uninterrupted run's batches; the first group in each step's
-    # quorum alone saved its checkpoints, complete, into the one run folder.
+    for launch in (first, replacement, last):
+        assert not isinstance(launch, BaseException), launch
+    # The replacement took the live weights, optimizer, schedule, loop and data position from the others at the step
+    # it joined, and trained on from there as the uninterrupted run did (no checkpoint was read: it joined later).
+    joined = replacement[0].joined_at
+    assert 2 < joined < LONG.steps
+    for rank in replacement:
+        assert rank.joined_at == joined and rank.rows == [2] * (LONG.steps - joined) and rank.redone == 0
+        assert_same_training(rank.result, single, since=joined)
+    # The others trained every step in the same processes, on the uninterrupted run's batches: in 3 shares, in 2 from
+    # the step group 1 was lost in (redone), in 3 again once its replacement joined. The first group in each step's
+    # quorum alone saved the checkpoints, complete, into the one run folder.
     for survivor, writer in ((first, True), (last, False)):
-        assert not isinstance(survivor, BaseException), survivor
-        for result, rows, redone, writes in survivor:
-            assert_same_training(result, single)
-            assert rows == [2, 2, 3, 3, 3] and redone == 1 and writes == writer
+        for rank in survivor:
+            assert_same_training(rank.result, single)
+            assert rank.rows == [2, 2] + [3] * (joined - 2) + [2] * (LONG.steps - joined)
+            assert rank.redone == 1 and rank.writes == writer
     assert listing(LocalFileSystem(), f"file://{run}") == {
-        "epoch=0-step=4.ckpt": checkpoint_files(2),
-        "epoch=0-step=5.ckpt": checkpoint_files(2),
-        "last.ckpt": ["epoch=0-step=5.ckpt"],
+        f"epoch=0-step={LONG.steps - 1}.ckpt": checkpoint_files(2),
+        f"epoch=0-step={LONG.steps}.ckpt": checkpoint_files(2),
+        "last.ckpt": [f"epoch=0-step={LONG.steps}.ckpt"],
     }
+
+
+@pytest.mark.parametrize("case", [TP2, PP2], ids=["tp2", "pp2"])
+def test_groups_split_by_tensor_or_pipeline_parallelism_go_on_without_a_lost_one(lighthouse: str, case: Case) -> None:
+    single = REFERENCES[case.reference(world_size=2)]
+    (first,), (lost,), (last,) = run_groups(lighthouse, case, [KillRankAt("group-1", rank=1, step=2, before=True)])
+    assert isinstance(lost, RuntimeError) and "killed by SIGKILL" in str(lost)
+    for survivor in (first, last):
+        assert not isinstance(survivor, BaseException), survivor
+        (whole,) = merge_stages([[rank.result] for rank in survivor])  # under a pipeline a rank holds one stage
+        assert_same_training(whole, single)
+        assert [rank.rows for rank in survivor] == [[4, 4, 6, 6, 6]] * 2
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -84,16 +85,26 @@ class ReplicaGroup:
     """This rank's place in its replica group: the quorum, its share of each global batch, and the gradients
     averaged with the same rank of every other group in the quorum (ranks of one layout hold the same shards)."""
 
-    def __init__(self, options: ReplicaGroups, rank: int, size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        options: ReplicaGroups,
+        rank: int,
+        size: int,
+        device: torch.device,
+        live_state: Callable[[], Any],
+        heal: Callable[[Any], None],
+    ) -> None:
+        """``live_state``: what the same rank of a group that joins receives from this one; ``heal``: takes that in
+        place of this rank's own, where this group joins a run that has stepped."""
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
         options = options.resolved()
         timeout = timedelta(seconds=options.timeout)
-        across = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        self._across = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
-            pg=across,
-            load_state_dict=_refuse_joining,
-            state_dict=dict,
+            pg=self._across,
+            load_state_dict=heal,
+            state_dict=live_state,
             min_replica_size=options.min_groups,
             use_async_quorum=False,  # the quorum decides the step's share of the batch before the forward
             timeout=timeout,
@@ -109,15 +120,18 @@ class ReplicaGroup:
         self._weight = 1.0  # this group's rows of the global batch, times the groups in the quorum, over all rows
         self.rows = 0  # of the step's batch, this group's share
         self.place: int | None = None  # this group's in the step's quorum; None: left out of it
-        self._in_quorum = False  # once the first step took its quorum: before, the groups have nothing to share
+        self._in_quorum = False  # once the group's first step began
+        self._joined_for_next_step = False  # the quorum the group joined in serves its first step
         self.steps_redone = 0
+        self.joined_at = 0  # the step this group joined the run at: 0, or where the others stood
 
-    def start_step(self) -> None:
-        """Join the step's quorum: the groups alive now share its batch; at this process's first step, after every
-        group the run starts with has joined."""
+    def join(self) -> None:
+        """Take this group's first quorum: in a run that has not stepped yet, once every group it starts with has
+        joined; in one that has, healing from a live group (``heal``) before it returns. That quorum is the one of
+        the group's first step, which the others are about to take."""
         self.manager.start_quorum()
         deadline = time.monotonic() + self.options.timeout
-        while not self._in_quorum and self.manager.num_participants() < self.options.groups:
+        while self.manager.current_step() == 0 and self.manager.num_participants() < self.options.groups:
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"lightdist: {self.manager.num_participants()} of replica_groups.groups={self.options.groups} "
@@ -126,7 +140,18 @@ class ReplicaGroup:
                 )
             time.sleep(0.05)
             self.manager.start_quorum()
+        self._joined_for_next_step = True
+        self.joined_at = self.manager.current_step()
+
+    def start_step(self) -> None:
+        """Take the step's quorum: the groups alive now share its batch."""
+        # From the first step on, what the groups log spans them all; before it, a group that joins a run under way
+        # reduces within itself while it sets up, and would otherwise meet the others' collectives of their step.
         self._in_quorum = True
+        if self._joined_for_next_step:
+            self._joined_for_next_step = False
+            return
+        self.manager.start_quorum()
 
     def deal(self, batch: Any) -> Any:
         """This group's rows of the global batch ``batch`` (a tensor, or a tuple, list or dict of tensors of as many
@@ -174,6 +199,10 @@ class ReplicaGroup:
         flats = {dtype: torch.cat([g.reshape(-1) for g in group]) * self._weight for dtype, group in by_dtype.items()}
         for work in [self.manager.allreduce(flat) for flat in flats.values()]:
             work.wait()
+        if self.manager.errored():
+            # Close this rank's connections at once: a peer still waiting on them fails now, not after the timeout,
+            # and joins the next quorum, which builds the process group anew.
+            self._across.abort()
         if not self.manager.should_commit():
             self.steps_redone += 1
             raise StepNotCommitted(f"a replica group failed during step {self.manager.current_step()}")
@@ -195,11 +224,3 @@ def _tensors(batch: Any) -> list[Tensor]:
 
 def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _refuse_joining(state: Any) -> None:
-    raise RuntimeError(
-        "lightdist: this replica group joined a run that had already stepped, and receiving the live state (weights, "
-        "optimizer, loop and data position) from a peer is not built yet. Start every group again from the newest "
-        "checkpoint (ckpt_path='last')."
-    )
