@@ -52,11 +52,11 @@ def lighthouse() -> Iterator[str]:
 
 
 class KillRankAt(Callback):
-    """SIGKILLs this rank at ``step``, in the group named ``group`` as first started: mid-step, between its forward
-    and backward, or ``before`` the step begins."""
+    """SIGKILLs (or sends ``signal`` to) this rank at ``step``, in the group named ``group`` as first started:
+    mid-step, between its forward and backward, or ``before`` the step begins."""
 
-    def __init__(self, group: str, rank: int, step: int, before: bool = False) -> None:
-        self.group, self.rank, self.step, self.before = group, rank, step, before
+    def __init__(self, group: str, rank: int, step: int, before: bool = False, signal: int = signal.SIGKILL) -> None:
+        self.group, self.rank, self.step, self.before, self.signal = group, rank, step, before, signal
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.before:
@@ -70,7 +70,7 @@ class KillRankAt(Callback):
         group = trainer.strategy.replica_group
         at = trainer.global_rank == self.rank and trainer.global_step == self.step and group.joined_at == 0
         if group.options.group == self.group and at:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), self.signal)
 
 
 class Pace(Callback):
@@ -105,8 +105,10 @@ class GroupRun:
     writes: bool  # checkpoints, at the last step
 
 
-def train_in_group(case: Case, lighthouse: str, group: str, callbacks: list[Callback]) -> GroupRun:
-    options = ReplicaGroups(lighthouse=lighthouse, group=group, groups=GROUPS, timeout=20.0)
+def train_in_group(
+    case: Case, lighthouse: str, group: str, callbacks: list[Callback], timeout: float = 20.0
+) -> GroupRun:
+    options = ReplicaGroups(lighthouse=lighthouse, group=group, groups=GROUPS, timeout=timeout)
     shares = GroupShares()
     result = train(
         Case(**{**case.__dict__, "strategy": {**case.strategy, "replica_groups": options}}), 2, [*callbacks, shares]
@@ -115,21 +117,26 @@ def train_in_group(case: Case, lighthouse: str, group: str, callbacks: list[Call
 
 
 def run_groups(
-    lighthouse: str, case: Case, callbacks: list[Callback] = (), start_again: str | None = None
+    lighthouse: str,
+    case: Case,
+    callbacks: list[Callback] = (),
+    start_again: str | None = None,
+    timeout: float = 20.0,
+    names: tuple[str, ...] = tuple(f"group-{g}" for g in range(GROUPS)),
 ) -> list[list[list[GroupRun] | BaseException]]:
     """Each group's launches: its ranks' runs, or the error the launch ended with; the group ``start_again`` is
     started again once its first launch fails."""
 
     def launches(group: str) -> list[list[GroupRun] | BaseException]:
         try:
-            return [run_ranks(2, train_in_group, case, lighthouse, group, list(callbacks), timeout=240)]
+            return [run_ranks(2, train_in_group, case, lighthouse, group, list(callbacks), timeout, timeout=240)]
         except RuntimeError as lost:
             if group != start_again:
                 return [lost]
-            return [lost, run_ranks(2, train_in_group, case, lighthouse, group, list(callbacks), timeout=240)]
+            return [lost, run_ranks(2, train_in_group, case, lighthouse, group, list(callbacks), timeout, timeout=240)]
 
     with ThreadPoolExecutor(GROUPS) as pool:
-        return list(pool.map(launches, [f"group-{g}" for g in range(GROUPS)]))
+        return list(pool.map(launches, names))
 
 
 def assert_same_training(result: Result, single: Result, since: int = 0) -> None:
@@ -181,6 +188,29 @@ def test_a_group_that_loses_a_rank_mid_step_is_left_out_and_its_replacement_heal
         f"epoch=0-step={LONG.steps}.ckpt": checkpoint_files(2),
         "last.ckpt": [f"epoch=0-step={LONG.steps}.ckpt"],
     }
+
+
+def test_a_rank_that_hangs_mid_step_counts_as_lost_after_the_timeouts() -> None:
+    """SIGSTOP, not SIGKILL: the rank's process stays, and its group's manager goes on answering the lighthouse
+    while its other rank waits for it inside the group. The others' all-reduce gives up after the groups' timeout
+    (3 s), and the lighthouse leaves the silent group out after its join timeout (5 s)."""
+    single = REFERENCES[CASE.reference(world_size=2)]
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=5_000, heartbeat_timeout_ms=1_000)
+    hang = KillRankAt("group-1", rank=1, step=2, signal=signal.SIGSTOP)
+    started = time.monotonic()
+    with ThreadPoolExecutor(1) as pool:  # the hung group ends where the test gives up on it: stopped, it never will
+        hung = pool.submit(run_ranks, 2, train_in_group, CASE, server.address(), "group-1", [hang], 3.0, timeout=30)
+        (first,), (last,) = run_groups(server.address(), CASE, [hang], timeout=3.0, names=("group-0", "group-2"))
+        survived = time.monotonic() - started
+        lost = hung.exception()
+    server.shutdown()
+    assert isinstance(lost, RuntimeError)
+    for survivor in (first, last):
+        assert not isinstance(survivor, BaseException), survivor
+        for rank in survivor:
+            assert_same_training(rank.result, single)
+            assert rank.rows == [2, 2, 3, 3, 3] and rank.redone == 1
+    assert survived < 30, survived
 
 
 @pytest.mark.parametrize("case", [TP2, PP2], ids=["tp2", "pp2"])

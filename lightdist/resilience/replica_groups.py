@@ -28,6 +28,7 @@ __all__ = ["ReplicaGroup", "ReplicaGroups", "StepNotCommitted"]
 
 LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"  # torchft's own name for the lighthouse's address
 GROUP_VARIABLE = "LIGHTDIST_REPLICA_GROUP"
+_QUORUM_TIMEOUT = timedelta(minutes=30)
 
 
 class StepNotCommitted(RuntimeError):
@@ -103,12 +104,14 @@ class ReplicaGroup:
         self._across = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
             pg=self._across,
-            load_state_dict=heal,
+            load_state_dict=self._heal,
             state_dict=live_state,
             min_replica_size=options.min_groups,
             use_async_quorum=False,  # the quorum decides the step's share of the batch before the forward
-            timeout=timeout,
-            quorum_timeout=timeout,
+            timeout=timeout,  # a collective or commit across groups
+            # The lighthouse decides when a group that stopped asking is left out (its join timeout): the quorum
+            # gives up only on the lighthouse itself.
+            quorum_timeout=_QUORUM_TIMEOUT,
             connect_timeout=timeout,
             rank=rank,
             world_size=size,
@@ -117,6 +120,8 @@ class ReplicaGroup:
             init_sync=False,  # every group starts from the same seed, or from the same checkpoint
         )
         self.options = options
+        self._take_live_state = heal
+        self._joining = False
         self._weight = 1.0  # this group's rows of the global batch, times the groups in the quorum, over all rows
         self.rows = 0  # of the step's batch, this group's share
         self.place: int | None = None  # this group's in the step's quorum; None: left out of it
@@ -129,6 +134,7 @@ class ReplicaGroup:
         """Take this group's first quorum: in a run that has not stepped yet, once every group it starts with has
         joined; in one that has, healing from a live group (``heal``) before it returns. That quorum is the one of
         the group's first step, which the others are about to take."""
+        self._joining = True
         self.manager.start_quorum()
         deadline = time.monotonic() + self.options.timeout
         while self.manager.current_step() == 0 and self.manager.num_participants() < self.options.groups:
@@ -140,7 +146,7 @@ class ReplicaGroup:
                 )
             time.sleep(0.05)
             self.manager.start_quorum()
-        self._joined_for_next_step = True
+        self._joining, self._joined_for_next_step = False, True
         self.joined_at = self.manager.current_step()
 
     def start_step(self) -> None:
@@ -211,6 +217,15 @@ class ReplicaGroup:
             for grad in by_dtype[dtype]:
                 grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
+
+    def _heal(self, live_state: Any) -> None:
+        if not self._joining:
+            raise RuntimeError(
+                f"lightdist: replica group {self.options.group} fell behind the others (left out of a quorum while "
+                "it was slow, past the lighthouse's join timeout) and cannot take their state in the middle of its "
+                "run. Start it again: it rejoins with the live state. A longer --join_timeout_ms keeps slow groups in."
+            )
+        self._take_live_state(live_state)
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
