@@ -125,3 +125,20 @@ def test_context_parallel_benchmark_times_each_size_and_method(tmp_path: Path) -
     # Each rank of two keeps about half of one rank's activations, and the sequence's loss is one rank's.
     assert all(0.4 < float(row[5]) < 0.6 for row in rows[1:]), run.stdout
     assert len({row[7] for row in rows}) == 1, run.stdout
+
+
+def test_failures_benchmark_loses_a_rank_both_ways_and_counts_no_sample_missed() -> None:
+    failures = BENCH.parent / "failures.py"
+    options = ["--steps", "30", "--kill-at", "5", "--save-every", "3"]  # 25 steps of 0.5 s for the group to rejoin
+    run = subprocess.run([sys.executable, str(failures), *options], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [
+        line.split(" | ") for line in run.stdout.splitlines() if line.startswith("| replica") or "| torchrun" in line
+    ]
+    (groups, restart) = [[cell.strip("| ") for cell in row] for row in rows]
+    assert [groups[0], restart[0]] == ["replica-groups", "torchrun"]
+    seconds = [float(cell.removesuffix(" s")) for cell in (groups[1], restart[1])]
+    assert seconds[0] < seconds[1]  # the others go on in their processes; torchrun starts every rank again
+    assert groups[3] == "1" and int(restart[3]) >= 1  # one step redone; the steps since the checkpoint
+    assert groups[4] == restart[4] == "0"  # no sample missed or seen twice by the final weights
+    assert groups[5].endswith(" s") and restart[5] == "-"
