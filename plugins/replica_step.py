@@ -46,15 +46,12 @@ def join_replica_group(options: ReplicaGroups | None, strategy: ParallelStrategy
             f"{trainer.accumulate_grad_batches} spreads a step over batches already used: raise the batch size in "
             "its place, or set accumulate_grad_batches=1."
         )
-    if strategy.steps.token_weights.countable and not strategy.steps.token_weights.batches_alike:
-        raise ValueError(
-            "replica_groups weigh each group's share of a batch by its samples, but this model's steps weigh by "
-            "their labelled tokens (loss_weighting='tokens'), which are not yet counted across groups: set "
-            "loss_weighting='batches', or train in one launch."
-        )
     live = LiveState(strategy)
     trainer.callbacks.append(live)
     group = ReplicaGroup(options, dist.get_rank(), dist.get_world_size(), strategy.root_device, live.state, live.heal)
+    weights = strategy.steps.token_weights
+    if weights.countable and not weights.batches_alike:  # each step's loss weighs by its tokens, over every group's
+        weights.replica_group, group.weigh_rows = group, False
     group.join()
     return group
 

@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 
 from lightdist.parallel.context import ContextParallel
 from lightdist.parallel.loss_tokens import is_causal_lm, labelled_tokens
+from lightdist.resilience.replica_groups import ReplicaGroup
 
 __all__ = ["LossWeighting", "TokenWeights", "logging_to", "weighing_rule"]
 
@@ -71,6 +72,7 @@ class TokenWeights:
         self._shared: tuple[Tensor, Tensor, Tensor] | None = None  # the step's share, global tokens, unknown
         self._backward_scale: Tensor | None = None  # a training step's loss weight in backward, over its share
         self._window: list[tuple[Tensor, Tensor]] = []  # the accumulation's global tokens and unknown, per batch
+        self.replica_group: ReplicaGroup | None = None  # where the global batch is dealt among replica groups
         if mesh["pp"].size() == 1:
             for model in causal_lms:
                 model.register_forward_pre_hook(self._count_call, with_kwargs=True)
@@ -145,8 +147,11 @@ class TokenWeights:
         counts = torch.stack([own, torch.tensor(float(tokens is None), device=self.device)])
         if self.ranks > 1:
             dist.all_reduce(counts, group=self.group)
+        ranks = self.ranks
+        if self.replica_group is not None and not self.batches_alike:  # the global batch spans the groups
+            counts, ranks = self.replica_group.sum(counts), ranks * self.replica_group.groups_in_step
         total, unknown = counts[0], counts[1] > 0
-        share = torch.where(unknown | (total == 0), 1.0, own * self.ranks / total.clamp(min=1))
+        share = torch.where(unknown | (total == 0), 1.0, own * ranks / total.clamp(min=1))
         self._shared = (share, total, unknown)
         return self._shared
 

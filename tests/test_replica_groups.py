@@ -39,7 +39,9 @@ CASE = Case(strategy=dict(zero_stage=3), batch_size=6)  # 6 rows a rank: 2 for e
 LONG = Case(strategy=dict(zero_stage=3), batch_size=6, steps=16)  # long enough for a group started again to join
 TP2 = Case(strategy=dict(zero_stage=3, tensor_parallel_size=2), batch_size=12)  # 4 rows for each of 3 groups, 6 of 2
 PP2 = Case(strategy=dict(zero_stage=3, pipeline_parallel_size=2, microbatches=2), batch_size=12)
-REFERENCES = References([case.reference(world_size=2) for case in (CASE, LONG, TP2, PP2)])
+# Hugging Face Llama fine-tuned on collated, padded batches labelled -100 where padded: each step weighs by its tokens
+HF_PADDED = Case(strategy=dict(zero_stage=3), model="zoo_hf_llama_finetuning", data="padded", batch_size=6)
+REFERENCES = References([case.reference(world_size=2) for case in (CASE, LONG, TP2, PP2, HF_PADDED)])
 
 
 @pytest.fixture
@@ -213,6 +215,19 @@ def test_a_rank_that_hangs_mid_step_counts_as_lost_after_the_timeouts() -> None:
     assert survived < 30, survived
 
 
+def test_padded_batches_of_a_hugging_face_model_weigh_by_their_tokens_across_the_groups(lighthouse: str) -> None:
+    """Each group's rows hold other numbers of labelled tokens: the groups' counts are summed through torchft, so
+    that every step's loss is the global batch's mean over its tokens, before and after a group is lost."""
+    single = REFERENCES[HF_PADDED.reference(world_size=2)]
+    (first,), (lost,), (last,) = run_groups(lighthouse, HF_PADDED, [KillRankAt("group-1", rank=1, step=2)])
+    assert isinstance(lost, RuntimeError) and "killed by SIGKILL" in str(lost)
+    for survivor in (first, last):
+        assert not isinstance(survivor, BaseException), survivor
+        for rank in survivor:
+            assert_same_training(rank.result, single)
+            assert rank.rows == [2, 2, 3, 3, 3] and rank.redone == 1
+
+
 @pytest.mark.parametrize("case", [TP2, PP2], ids=["tp2", "pp2"])
 def test_groups_split_by_tensor_or_pipeline_parallelism_go_on_without_a_lost_one(lighthouse: str, case: Case) -> None:
     single = REFERENCES[case.reference(world_size=2)]
@@ -243,7 +258,5 @@ def test_bad_options_are_refused_as_the_strategy_is_built(options: dict, message
 def test_what_a_group_could_not_train_as_one_process_is_refused_before_training() -> None:
     options = ReplicaGroups(lighthouse="http://127.0.0.1:1", group="group-0")  # never reached
     accumulating = Case(strategy=dict(replica_groups=options), accumulate_grad_batches=2)
-    labelled = Case(strategy=dict(replica_groups=options), model="zoo_hf_llama_finetuning", data="padded")
-    errors = run_ranks(1, run_each, [(raised, (train, accumulating)), (raised, (train, labelled))])[0]
-    assert "accumulate_grad_batches=2 spreads a step over batches already used" in errors[0]
-    assert "set loss_weighting='batches'" in errors[1]
+    (error,) = run_ranks(1, run_each, [(raised, (train, accumulating))])[0]
+    assert "accumulate_grad_batches=2 spreads a step over batches already used" in error

@@ -124,6 +124,10 @@ class ReplicaGroup:
         self._joining = False
         self._weight = 1.0  # this group's rows of the global batch, times the groups in the quorum, over all rows
         self.rows = 0  # of the step's batch, this group's share
+        self.groups_in_step = 1  # in the step's quorum
+        # Whether each group's share weighs by its rows; not where the steps' losses carry their share of the global
+        # batch's labelled tokens themselves (plugins/token_weights.py)
+        self.weigh_rows = True
         self.place: int | None = None  # this group's in the step's quorum; None: left out of it
         self._in_quorum = False  # once the group's first step began
         self._joined_for_next_step = False  # the quorum the group joined in serves its first step
@@ -175,7 +179,8 @@ class ReplicaGroup:
             self._weight, self.rows = 0.0, 0
             return batch
         start, stop = total * place // groups, total * (place + 1) // groups
-        self._weight, self.rows = (stop - start) * groups / total, stop - start
+        self.rows, self.groups_in_step = stop - start, groups
+        self._weight = self.rows * groups / total if self.weigh_rows else 1.0
         return apply_to_collection(batch, Tensor, lambda tensor: tensor[start:stop])
 
     def average(self, tensor: Tensor) -> Tensor:
