@@ -215,6 +215,42 @@ def test_a_rank_that_hangs_mid_step_counts_as_lost_after_the_timeouts() -> None:
     assert survived < 30, survived
 
 
+def test_two_groups_lost_at_once_leave_the_third_to_train_on_the_whole_batch(lighthouse: str) -> None:
+    single = REFERENCES[CASE.reference(world_size=2)]
+    kills = [KillRankAt("group-1", rank=1, step=2), KillRankAt("group-2", rank=0, step=2)]
+    (first,), (lost,), (also_lost,) = run_groups(lighthouse, CASE, kills)
+    assert "killed by SIGKILL" in str(lost) and "killed by SIGKILL" in str(also_lost)
+    assert not isinstance(first, BaseException), first
+    for rank in first:
+        assert_same_training(rank.result, single)
+        assert rank.rows == [2, 2, 6, 6, 6] and rank.redone == 1
+
+
+def test_the_group_that_saves_lost_while_its_upload_runs_leaves_the_next_group_to_save(
+    lighthouse: str, tmp_path: Path
+) -> None:
+    """group-0, first in every quorum, saves each step's checkpoint in the background; it is lost in the step after
+    a save, while that upload may still run. group-1, first in the quorum from then on, saves the next ones."""
+    single = REFERENCES[CASE.reference(world_size=2)]
+    run = str(tmp_path / "run")
+    (lost,), (second,), (third,) = run_groups(
+        lighthouse, CASE, [KillRankAt("group-0", 0, step=3), keep_two_newest(run)]
+    )
+    assert "killed by SIGKILL" in str(lost)
+    for survivor, writer in ((second, True), (third, False)):
+        assert not isinstance(survivor, BaseException), survivor
+        for rank in survivor:
+            assert_same_training(rank.result, single)
+            assert rank.rows == [2, 2, 2, 3, 3] and rank.redone == 1 and rank.writes == writer
+    saved = listing(LocalFileSystem(), f"file://{run}")
+    assert saved["last.ckpt"] == ["epoch=0-step=5.ckpt"]
+    assert saved["epoch=0-step=4.ckpt"] == saved["epoch=0-step=5.ckpt"] == checkpoint_files(2)
+    # a removal the lost group had queued behind its uploads may not have run: that older checkpoint stays, whole
+    left = {name: files for name, files in saved.items() if name not in ("last.ckpt", "epoch=0-step=4.ckpt")}
+    assert set(left) - {"epoch=0-step=5.ckpt"} <= {"epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"}
+    assert all(files == checkpoint_files(2) for files in left.values())
+
+
 def test_padded_batches_of_a_hugging_face_model_weigh_by_their_tokens_across_the_groups(lighthouse: str) -> None:
     """Each group's rows hold other numbers of labelled tokens: the groups' counts are summed through torchft, so
     that every step's loss is the global batch's mean over its tokens, before and after a group is lost."""
