@@ -24,14 +24,17 @@ from lightdist.plugins.checkpoint_io import ShardedCheckpointIO
 from lightdist.resilience.replica_groups import ReplicaGroup, ReplicaGroups, StepNotCommitted
 
 if TYPE_CHECKING:
-    from lightdist.plugins.strategy import ParallelStrategy
+    from lightdist.plugins.checkpointing_strategy import CheckpointingStrategy
+    from lightdist.plugins.token_weights import TokenWeights
 
 __all__ = ["LiveState", "join_replica_group", "step_in_quorum"]
 
 
-def join_replica_group(options: ReplicaGroups | None, strategy: ParallelStrategy) -> ReplicaGroup | None:
+def join_replica_group(
+    options: ReplicaGroups | None, strategy: CheckpointingStrategy, weights: TokenWeights
+) -> ReplicaGroup | None:
     """This rank's place among the replica groups, joined (and healed, where the others have stepped); ``None``
-    where the run trains in one launch."""
+    where the run trains in one launch. ``weights``: how the strategy's steps weigh their losses."""
     if options is None:
         return None
     trainer = strategy.lightning_module.trainer
@@ -49,7 +52,6 @@ def join_replica_group(options: ReplicaGroups | None, strategy: ParallelStrategy
     live = LiveState(strategy)
     trainer.callbacks.append(live)
     group = ReplicaGroup(options, dist.get_rank(), dist.get_world_size(), strategy.root_device, live.state, live.heal)
-    weights = strategy.steps.token_weights
     if weights.countable and not weights.batches_alike:  # each step's loss weighs by its tokens, over every group's
         weights.replica_group, group.weigh_rows = group, False
     group.join()
@@ -62,7 +64,7 @@ class LiveState(Callback):
     rank's shards of the weights and optimizer state as they stand. Those change only when the step under way
     commits, which torchft holds back until the group that joins has read them."""
 
-    def __init__(self, strategy: ParallelStrategy) -> None:
+    def __init__(self, strategy: CheckpointingStrategy) -> None:
         self.strategy = strategy
         self._saved: dict[str, Any] | None = None  # at the end of the last committed step
 
@@ -102,7 +104,7 @@ def step_in_quorum(
         return stepped
 
 
-def _training_state(strategy: ParallelStrategy) -> dict[str, Any]:
+def _training_state(strategy: CheckpointingStrategy) -> dict[str, Any]:
     """The module's and optimizers' state as DCP's state-dict functions give it: this rank's shards, by name."""
     module = strategy.lightning_module
     state = {"state_dict": get_model_state_dict(module)}

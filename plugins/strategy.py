@@ -184,7 +184,7 @@ class ParallelStrategy(CheckpointingStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             skip_lightning_backward(trainer, self.pipeline_step is not None)
-            self.replica_group = join_replica_group(self._replica_groups, self)
+            self.replica_group = join_replica_group(self._replica_groups, self, self.steps.token_weights)
         self.setup_precision_plugin()
         self.gradient_norm = GradientNorm(self.lightning_module, self.device_mesh, self.pipeline_step)
         self.precision_plugin.clip_grad_by_norm = self.gradient_norm.clip
