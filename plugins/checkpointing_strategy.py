@@ -24,13 +24,7 @@ from lightdist.plugins.auto_layout import LayoutRequest
 from lightdist.plugins.checkpoint_io import ShardedCheckpointIO
 from lightdist.plugins.lightning_internals import checkpoint_now, restore_after_setup
 from lightdist.plugins.mesh_strategy import MeshStrategy
-from lightdist.plugins.rank_state import (
-    add_rank_state,
-    deal_samples_in_turn,
-    gather_rank_states,
-    set_epoch_to_train,
-    take_rank_state,
-)
+from lightdist.plugins.rank_state import deal_samples_in_turn, gather_rank_states, set_epoch_to_train, take_rank_state
 from lightdist.resilience.rng import set_rng_state
 
 if TYPE_CHECKING:
@@ -105,7 +99,8 @@ class CheckpointingStrategy(MeshStrategy):
         trainer = self.lightning_module.trainer
         checkpoint = checkpoint_now(trainer)
         del checkpoint["state_dict"], checkpoint["optimizer_states"]
-        add_rank_state(checkpoint, self.root_device, self.layout, self._data_parallel, *_data_position(trainer))
+        position = _data_position(trainer)
+        gather_rank_states(checkpoint, self.root_device, self.layout, self._data_parallel, *position, alone=True)
         return checkpoint
 
     def resume_from_live(self, checkpoint: dict[str, Any]) -> None:

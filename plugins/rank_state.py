@@ -26,7 +26,7 @@ from lightdist.resilience.rng import rng_state
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["add_rank_state", "deal_samples_in_turn", "gather_rank_states", "set_epoch_to_train", "take_rank_state"]
+__all__ = ["deal_samples_in_turn", "gather_rank_states", "set_epoch_to_train", "take_rank_state"]
 
 _KEY = "lightdist_ranks"
 _LAYOUT = "lightdist_layout"
@@ -63,6 +63,8 @@ def gather_rank_states(
     data_parallel: tuple[int, int],
     in_turn: bool,
     epoch_done: bool,
+    *,
+    alone: bool = False,
 ) -> None:
     """Add the layout, and every rank's random state and data loader position, to rank 0's ``checkpoint``; every
     rank calls it.
@@ -72,39 +74,20 @@ def gather_rank_states(
     ``epoch_done``: whether the epoch's batches are all drawn. Lightning's ``is_last_batch`` says so only where the
     loader ran out, not where ``limit_train_batches`` ended the epoch first, and a run resumed from such a checkpoint
     would train on the whole epoch again: the checkpoint says it, for Lightning to start the next epoch.
+    ``alone``: this rank's state stands for every rank's, with no collective: the ``checkpoint`` a replica group that
+    joins receives rank by rank from a live one, each rank from the rank in its place, which holds the same shard.
     """
-    own = _own_state(checkpoint, device, layout, data_parallel, in_turn, epoch_done)
-    every_rank = [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
-    dist.gather_object(own, every_rank, dst=0)
-    checkpoint[_KEY] = every_rank
-
-
-def add_rank_state(
-    checkpoint: dict[str, Any],
-    device: torch.device,
-    layout: ParallelLayout,
-    data_parallel: tuple[int, int],
-    in_turn: bool,
-    epoch_done: bool,
-) -> None:
-    """``gather_rank_states`` for one rank, with no collective: the ``checkpoint`` a replica group that joins receives
-    rank by rank from a live one, each rank from the rank in its place, which holds the same shard of the data."""
-    checkpoint[_KEY] = [_own_state(checkpoint, device, layout, data_parallel, in_turn, epoch_done)] * layout.world_size
-
-
-def _own_state(
-    checkpoint: dict[str, Any],
-    device: torch.device,
-    layout: ParallelLayout,
-    data_parallel: tuple[int, int],
-    in_turn: bool,
-    epoch_done: bool,
-) -> dict[str, Any]:
     checkpoint[_LAYOUT] = asdict(layout)
     if epoch_done:
         _fit_loop(checkpoint).get("epoch_loop.batch_progress", {})["is_last_batch"] = True
     loaders = _fit_loop(checkpoint).get("state_dict", {}).get(_LOADERS)
-    return {"rng": rng_state(device), "data_parallel": data_parallel, "loaders": loaders, "in_turn": in_turn}
+    own = {"rng": rng_state(device), "data_parallel": data_parallel, "loaders": loaders, "in_turn": in_turn}
+    if alone:
+        checkpoint[_KEY] = [own] * layout.world_size
+        return
+    every_rank = [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+    dist.gather_object(own, every_rank, dst=0)
+    checkpoint[_KEY] = every_rank
 
 
 def take_rank_state(

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, Trainer
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -17,9 +18,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightdist.parallel.sharding import local_tensor
 from lightdist.plugins.checkpoint_io import ShardedCheckpointIO
 from lightdist.resilience.replica_groups import ReplicaGroup, ReplicaGroups, StepNotCommitted
 
@@ -72,7 +73,10 @@ class LiveState(Callback):
         self._saved = self.strategy.live_checkpoint()
 
     def state(self) -> dict[str, Any]:
-        return {"checkpoint": self._saved, "shards": _apply(_training_state(self.strategy), _local)}
+        return {
+            "checkpoint": self._saved,
+            "shards": apply_to_collection(_training_state(self.strategy), Tensor, local_tensor),
+        }
 
     def heal(self, received: dict[str, Any]) -> None:
         strategy = self.strategy
@@ -113,25 +117,11 @@ def _training_state(strategy: CheckpointingStrategy) -> dict[str, Any]:
     return state
 
 
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _apply(tree: Any, fn: Callable[[Tensor], Any]) -> Any:
-    if isinstance(tree, Tensor):
-        return fn(tree)
-    if isinstance(tree, dict):
-        return {key: _apply(value, fn) for key, value in tree.items()}
-    if isinstance(tree, list | tuple):
-        return type(tree)(_apply(value, fn) for value in tree)
-    return tree
-
-
 def _fill(tree: dict[str, Any], received: dict[str, Any]) -> None:
     """Copy ``received``'s tensors into ``tree``'s (its shards, of the same shapes) and take its other values."""
     for key, value in tree.items():
         if isinstance(value, Tensor):
-            _local(value).copy_(received[key])
+            local_tensor(value).copy_(received[key])
         elif isinstance(value, dict):
             _fill(value, received[key])
         else:

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+
+from lightdist.parallel.sharding import local_tensor
 
 __all__ = ["ReplicaGroup", "ReplicaGroups", "StepNotCommitted"]
 
@@ -203,7 +204,7 @@ class ReplicaGroup:
     def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
         """Average this rank's gradient shards with the same rank of every group in the quorum, weighted by each
         group's rows; raises ``StepNotCommitted`` unless torchft commits the step, before the optimizer steps."""
-        grads = [_local(p.grad) for p in parameters if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in parameters if p.grad is not None]
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for grad in grads:
             by_dtype.setdefault(grad.dtype, []).append(grad)
@@ -240,7 +241,3 @@ def _tensors(batch: Any) -> list[Tensor]:
     found: list[Tensor] = []
     apply_to_collection(batch, Tensor, found.append)
     return found
-
-
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
