@@ -17,9 +17,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from jsonargparse import ArgumentParser
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.cli import LightningCLI, instantiate_class
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from lightdist.plugins.strategy import ParallelStrategy
 
@@ -158,10 +159,13 @@ def _parsed_trainer_config(cli_args: list[str]) -> dict[str, Any]:
 
 
 def _strategy_of(config: str | dict[str, Any]) -> Any:
-    """The config's strategy, built to check its sizes (building one allocates nothing)."""
+    """The config's strategy, built to check its sizes (building one allocates nothing), by LightningCLI's parser:
+    its nested options (``replica_groups``) become the classes its signature names."""
     if isinstance(config, str):
         return StrategyRegistry.get(config) if config in StrategyRegistry else config
-    return instantiate_class((), config)
+    parser = ArgumentParser()
+    parser.add_argument("--strategy", type=Strategy)
+    return parser.instantiate(parser.parse_object({"strategy": config})).strategy
 
 
 def _shown(num_workers: int | tuple[int, int]) -> str:

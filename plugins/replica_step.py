@@ -53,6 +53,7 @@ def join_replica_group(
     live = LiveState(strategy)
     trainer.callbacks.append(live)
     group = ReplicaGroup(options, dist.get_rank(), dist.get_world_size(), strategy.root_device, live.state, live.heal)
+    live.manager = group.manager
     if weights.countable and not weights.batches_alike:  # each step's loss weighs by its tokens, over every group's
         weights.replica_group, group.weigh_rows = group, False
     group.join()
@@ -63,11 +64,21 @@ class LiveState(Callback):
     """What the same rank of a group that joins receives from this one: Lightning's checkpoint as a save at the end
     of the last committed step holds it (loops, data position, LR schedulers, callbacks, random state), and this
     rank's shards of the weights and optimizer state as they stand. Those change only when the step under way
-    commits, which torchft holds back until the group that joins has read them."""
+    commits, which torchft holds back until the group that joins has read them.
+
+    Checkpoints keep torchft's step count (this callback's state), so that a run restarted from one counts on where
+    it stopped, as Lightning's ``global_step`` does."""
 
     def __init__(self, strategy: CheckpointingStrategy) -> None:
         self.strategy = strategy
+        self.manager: Any = None  # torchft's, once the group is built
         self._saved: dict[str, Any] | None = None  # at the end of the last committed step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"torchft": self.manager.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.manager.load_state_dict(state_dict["torchft"])
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
         self._saved = self.strategy.live_checkpoint()

@@ -9,11 +9,13 @@ import math
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import yaml
 from lightning.pytorch import Trainer
+from torchft.coordination import LighthouseServer
 
 from lightdist.checkpoint.storage import resolve
 from lightdist.cli import COMMANDS, main
@@ -46,11 +48,12 @@ QUICK = [
 
 
 def lightdist_fit(
-    config: str, *overrides: str, cwd: Path, launcher: tuple[str, ...] = ()
+    config: str, *overrides: str, cwd: Path, launcher: tuple[str, ...] = (), env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """The command as a user without a W&B login runs it: no API key in the environment or in ``~/.netrc``; the
-    installed ``lightdist`` command, unless a ``launcher`` runs the module."""
+    installed ``lightdist`` command, unless a ``launcher`` runs the module; ``env``: variables the user sets."""
     environment = {name: value for name, value in os.environ.items() if not name.startswith("WANDB_")}
+    environment |= env or {}
     lightdist = [sys.executable, *launcher, "-m", "lightdist"] if launcher else [str(LIGHTDIST)]
     command = [
         *lightdist,
@@ -138,6 +141,34 @@ def test_torchrun_launches_the_ranks_with_a_strategy_named_on_the_command_line(t
     assert sorted(path.name for path in checkpoint.iterdir()) == checkpoint_files(2)
     # `python -m lightdist` too: torch's checkpoint process per rank imports lightdist, and its filters.
     assert not [line for line in (run.stdout + run.stderr).splitlines() if any(noise in line for noise in NOISE)]
+
+
+@pytest.mark.multirank
+def test_replica_groups_launched_by_torchrun_per_node_and_by_lightdist_fit_train_as_one_run(tmp_path: Path) -> None:
+    """The replica-groups config's groups as a cluster starts them, a torchrun per node, each its own rendezvous,
+    beside one started as the config's header does on one machine; all name the lighthouse and their group in the
+    environment, and the group first in each step's quorum saves the checkpoints into the one folder."""
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=2_000)
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
+    with ThreadPoolExecutor(3) as pool:
+        runs = [
+            pool.submit(
+                lightdist_fit,
+                "replica_groups_cpu.yaml",
+                "--trainer.logger=false",
+                "--model.init_args.preset=tiny",
+                cwd=tmp_path,
+                launcher=launcher,
+                env={"TORCHFT_LIGHTHOUSE": lighthouse.address(), "LIGHTDIST_REPLICA_GROUP": f"group-{group}"},
+            )
+            for group, launcher in enumerate((torchrun, torchrun, ()))
+        ]
+        runs = [run.result() for run in runs]
+    lighthouse.shutdown()
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    checkpoint = Path(resolve(str(tmp_path / "runs/replica_groups_cpu/checkpoints/last.ckpt")))
+    assert sorted(path.name for path in checkpoint.iterdir()) == checkpoint_files(2)
 
 
 DATA_PARALLEL = "pp=1 x dp=2 x tp=1"

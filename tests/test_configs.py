@@ -9,13 +9,11 @@ import json
 import os
 import posixpath
 import sys
-from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import fsspec
 import pytest
 from fsspec import AbstractFileSystem
-from torchft.coordination import LighthouseServer
 
 from lightdist.checkpoint.storage import resolve
 from lightdist.cli import main
@@ -120,30 +118,6 @@ def test_every_config_trains_on_two_cpu_ranks(
     written = [path for path in tmp_path.rglob("*") if path.is_file() and secret in path.read_bytes()]
     uploaded = [key for key in s3.find("lightdist") if secret in s3.cat_file(key)]
     assert written == uploaded == []
-
-
-def test_the_replica_groups_config_trains_three_groups_of_two_ranks(tmp_path: Path) -> None:
-    """Each group as its line in the config's header starts it, here on this test's lighthouse; all in one folder,
-    where the group first in each step's quorum saves the checkpoints."""
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=2_000)
-    options = f"{STRATEGY}.replica_groups"
-    with ThreadPoolExecutor(3) as pool:
-        groups = [
-            pool.submit(
-                run_ranks,
-                2,
-                launch,
-                "replica_groups_cpu",
-                [*TINY_LLAMA, f"{options}.lighthouse={lighthouse.address()}", f"{options}.group=group-{group}"],
-                tmp_path,
-                2,
-            )
-            for group in range(3)
-        ]
-        wait(groups)
-    lighthouse.shutdown()
-    assert [group.exception() for group in groups] == [None, None, None]
-    assert saved_last(f"{tmp_path}/runs/replica_groups_cpu/checkpoints/last.ckpt") == checkpoint_files(2)
 
 
 def test_the_single_device_config_trains_on_one_cpu_rank(tmp_path: Path) -> None:

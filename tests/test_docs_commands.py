@@ -49,9 +49,28 @@ SHELL_BLOCKS = {
     ),
     ".venv/bin/lightdist verify --config configs/3d.yaml": RUN_HERE,
     ".venv/bin/torchft_lighthouse --min_replicas 1 --join_timeout_ms 60000 --heartbeat_timeout_ms 2000 --bind "
-    '"[::]:29510" &\nfor group in 0 1 2; do\nLIGHTDIST_REPLICA_GROUP=group-$group .venv/bin/lightdist fit --config '
-    "configs/replica_groups_cpu.yaml &\ndone\nwait": (
-        "tests/test_configs.py::test_the_replica_groups_config_trains_three_groups_of_two_ranks"
+    '"[::]:29510" &\nexport TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510\nfor group in 0 1 2; do\n'
+    "LIGHTDIST_REPLICA_GROUP=group-$group .venv/bin/lightdist fit --config configs/replica_groups_cpu.yaml &\ndone\n"
+    "wait": (
+        "tests/test_cli.py::test_replica_groups_launched_by_torchrun_per_node_and_by_lightdist_fit_train_as_one_run"
+    ),
+    "torchft_lighthouse --min_replicas 1 --join_timeout_ms 60000 --heartbeat_timeout_ms 2000 --bind "
+    '"[::]:29510" &\nexport TORCHFT_LIGHTHOUSE=http://host0:29510 LIGHTDIST_REPLICA_GROUP=$(hostname)\n'
+    "torchrun --standalone --nproc-per-node=8 --max-restarts=3 .venv/bin/lightdist fit --config "
+    "my_replica_groups.yaml": (
+        "tests/test_cli.py::test_replica_groups_launched_by_torchrun_per_node_and_by_lightdist_fit_train_as_one_run"
+        " (on one machine; not here: several nodes)"
+    ),
+    'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\nexport TORCHFT_LIGHTHOUSE="http://$head:29510"'
+    '\nsrun --overlap --nodes=1 --ntasks=1 --nodelist="$head" torchft_lighthouse --min_replicas 1 --join_timeout_ms '
+    '60000 --heartbeat_timeout_ms 2000 --bind "[::]:29510" &\nsrun --overlap --ntasks-per-node=1 bash -c '
+    "'LIGHTDIST_REPLICA_GROUP=node-$SLURM_NODEID torchrun --standalone --nproc-per-node=8 --max-restarts=3 "
+    ".venv/bin/lightdist fit --config my_replica_groups.yaml'": "not here: this machine has no SLURM (the page says so)",
+    "ray start --head\n.venv/bin/torchft_lighthouse --min_replicas 1 --join_timeout_ms 60000 --heartbeat_timeout_ms "
+    '2000 --bind "[::]:29510" &\noptions=--trainer.strategy.init_args.replica_groups\nfor group in 0 1 2; do\n'
+    ".venv/bin/lightdist fit --config configs/replica_groups_cpu.yaml --launcher ray --num-workers 2 --ray-address "
+    "auto $options.lighthouse=http://$(hostname):29510 $options.group=group-$group &\ndone\nwait": (
+        "tests/test_ray.py::test_replica_groups_run_as_ray_worker_groups"
     ),
     'lightdist plan --model lightdist.models.Llama --init-args \'{"preset": "70b"}\' --gpus 64 --format csv': RUN_HERE,
     'lightdist plan --model lightdist.models.MoELlama --init-args \'{"preset": "8x7b"}\' --gpus 16 --ep 4': RUN_HERE,
@@ -111,6 +130,7 @@ def test_the_tests_and_scripts_named_as_running_the_commands_exist() -> None:
             assert all(command in ci for command, _ in ALL_BLOCKS if SHELL_BLOCKS[command] == ".ci/run")
         elif "::" in runner:
             path, name = runner.split("::")
+            name = name.split(" (")[0]  # a note on what the test leaves out may follow
             defined = {
                 node.name
                 for node in ast.walk(ast.parse((REPO / path).read_text()))

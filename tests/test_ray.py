@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import torch
 from fsspec import AbstractFileSystem
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torchft.coordination import LighthouseServer
 
 from lightdist.cli import main
 
@@ -281,6 +283,33 @@ def test_lightdist_fit_runs_a_config_on_ray_and_reports_its_metrics(
     assert [report["step"] for report in metrics] == [2, 4, 4]  # every log_every_n_steps, and at the end
     assert metrics[-1]["val_loss"] > 0 and metrics[-1]["train_loss"] > 0
     assert (tmp_path / "runs/zero3_cpu/checkpoints/last.ckpt").exists()
+
+
+def test_replica_groups_run_as_ray_worker_groups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replica-groups config on Ray: a ``lightdist fit --launcher ray`` per group (here two, side by side), each
+    its own worker group meeting the others at a lighthouse; the group first in each step's quorum saves."""
+    monkeypatch.chdir(tmp_path)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=2_000)
+    options = "--trainer.strategy.init_args.replica_groups"
+    overrides = ["--trainer.max_steps=4", "--trainer.val_check_interval=4", "--trainer.limit_val_batches=1"]
+    overrides += ["--trainer.logger=false", "--trainer.callbacks.init_args.every_n_train_steps=2"]
+    overrides += [
+        "--model.init_args.preset=tiny",
+        f"{options}.lighthouse={lighthouse.address()}",
+        f"{options}.groups=2",
+    ]
+    config = ["--config", str(CONFIGS / "replica_groups_cpu.yaml"), *overrides]
+    with ThreadPoolExecutor(2) as pool:
+        groups = [
+            pool.submit(lightdist.ray.fit, [*config, f"{options}.group=group-{group}"], num_workers=2)
+            for group in range(2)
+        ]
+        results = [group.result() for group in groups]
+    lighthouse.shutdown()
+    assert [result.error for result in results] == [None, None]
+    last = tmp_path / "runs/replica_groups_cpu/checkpoints/last.ckpt"
+    assert json.loads(last.read_text())["lightdist_checkpoint"] == "epoch=0-step=4.ckpt"
+    assert (tmp_path / "runs/replica_groups_cpu/checkpoints/epoch=0-step=4.ckpt/COMPLETE").exists()
 
 
 class MetricsTo(UserCallback):

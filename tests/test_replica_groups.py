@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +24,7 @@ from torchft.coordination import LighthouseServer
 from lightdist.plugins import ParallelStrategy
 from lightdist.resilience.replica_groups import ReplicaGroups
 
-from multirank import raised, run_each, run_ranks
+from multirank import free_port, raised, run_each, run_ranks
 from training import (
     WEIGHT_ATOL,
     Case,
@@ -42,6 +45,17 @@ PP2 = Case(strategy=dict(zero_stage=3, pipeline_parallel_size=2, microbatches=2)
 # Hugging Face Llama fine-tuned on collated, padded batches labelled -100 where padded: each step weighs by its tokens
 HF_PADDED = Case(strategy=dict(zero_stage=3), model="zoo_hf_llama_finetuning", data="padded", batch_size=6)
 REFERENCES = References([case.reference(world_size=2) for case in (CASE, LONG, TP2, PP2, HF_PADDED)])
+
+
+@contextmanager
+def lighthouse_process() -> Iterator[tuple[subprocess.Popen, str]]:
+    """A lighthouse as users start one, in a process of its own that a test can kill."""
+    port = free_port()
+    command = [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1", "--bind", f"[::]:{port}"]
+    process = subprocess.Popen([*command, "--join_timeout_ms", "60000", "--heartbeat_timeout_ms", "1000"])
+    yield process, f"http://127.0.0.1:{port}"
+    process.kill()
+    process.wait()
 
 
 @pytest.fixture
@@ -75,6 +89,29 @@ class KillRankAt(Callback):
             os.kill(os.getpid(), self.signal)
 
 
+class KillLighthouse(Callback):
+    """SIGKILLs the lighthouse (process ``pid``) as ``step`` begins, from the first rank of group-0."""
+
+    def __init__(self, pid: int, step: int) -> None:
+        self.pid, self.step = pid, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        first = trainer.strategy.replica_group.options.group == "group-0" and trainer.global_rank == 0
+        if first and trainer.global_step == self.step:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+class SayWhenAt(Callback):
+    """Creates the file ``path`` once the run has trained ``step`` steps."""
+
+    def __init__(self, path: Path, step: int) -> None:
+        self.path, self.step = path, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            self.path.touch()
+
+
 class Pace(Callback):
     """Each step takes at least ``seconds``: a group started again finds the others still training."""
 
@@ -96,6 +133,7 @@ class GroupShares(Callback):
         self.redone = trainer.strategy.replica_group.steps_redone
         self.joined_at = trainer.strategy.replica_group.joined_at
         self.writes = trainer.strategy.checkpoint_io.writes
+        self.torchft_step = trainer.strategy.replica_group.manager.current_step()
 
 
 @dataclass
@@ -105,17 +143,21 @@ class GroupRun:
     redone: int  # steps
     joined_at: int  # the step it joined at: 0, or where the others stood when it was started again
     writes: bool  # checkpoints, at the last step
+    torchft_step: int  # torchft's count of committed steps, at the last step
 
 
 def train_in_group(
-    case: Case, lighthouse: str, group: str, callbacks: list[Callback], timeout: float = 20.0
+    case: Case, lighthouse: str, group: str, callbacks: list[Callback], options: dict, resume_from: str | None = None
 ) -> GroupRun:
-    options = ReplicaGroups(lighthouse=lighthouse, group=group, groups=GROUPS, timeout=timeout)
+    options = ReplicaGroups(**{"lighthouse": lighthouse, "group": group, "groups": GROUPS, "timeout": 20, **options})
     shares = GroupShares()
     result = train(
-        Case(**{**case.__dict__, "strategy": {**case.strategy, "replica_groups": options}}), 2, [*callbacks, shares]
+        Case(**{**case.__dict__, "strategy": {**case.strategy, "replica_groups": options}}),
+        2,
+        [*callbacks, shares],
+        resume_from=resume_from,
     )
-    return GroupRun(result, shares.rows, shares.redone, shares.joined_at, shares.writes)
+    return GroupRun(result, shares.rows, shares.redone, shares.joined_at, shares.writes, shares.torchft_step)
 
 
 def run_groups(
@@ -123,21 +165,24 @@ def run_groups(
     case: Case,
     callbacks: list[Callback] = (),
     start_again: str | None = None,
-    timeout: float = 20.0,
+    options: dict | None = None,
     names: tuple[str, ...] = tuple(f"group-{g}" for g in range(GROUPS)),
+    resume_from: str | None = None,
 ) -> list[list[list[GroupRun] | BaseException]]:
     """Each group's launches: its ranks' runs, or the error the launch ended with; the group ``start_again`` is
-    started again once its first launch fails."""
+    started again once its first launch fails. ``options``: of ``ReplicaGroups``, beside the lighthouse and name."""
+
+    def launch(group: str) -> list[GroupRun]:
+        arguments = (case, lighthouse, group, list(callbacks), options or {}, resume_from)
+        return run_ranks(2, train_in_group, *arguments, timeout=240)
 
     def launches(group: str) -> list[list[GroupRun] | BaseException]:
         try:
-            return [run_ranks(2, train_in_group, case, lighthouse, group, list(callbacks), timeout, timeout=240)]
+            return [launch(group)]
         except RuntimeError as lost:
-            if group != start_again:
-                return [lost]
-            return [lost, run_ranks(2, train_in_group, case, lighthouse, group, list(callbacks), timeout, timeout=240)]
+            return [lost, launch(group)] if group == start_again else [lost]
 
-    with ThreadPoolExecutor(GROUPS) as pool:
+    with ThreadPoolExecutor(len(names)) as pool:
         return list(pool.map(launches, names))
 
 
@@ -192,6 +237,65 @@ def test_a_group_that_loses_a_rank_mid_step_is_left_out_and_its_replacement_heal
     }
 
 
+def test_a_fourth_group_started_mid_run_joins_with_the_live_state_and_takes_its_share(
+    lighthouse: str, tmp_path: Path
+) -> None:
+    """More GPUs mid-run: a group under a new name, started once the three have trained 3 steps, heals from them
+    and trains on from the next step; from then on the global batch's 6 rows of each rank are dealt 1, 2, 1, 2."""
+    single = REFERENCES[LONG.reference(world_size=2)]
+    started = tmp_path / "three groups trained 3 steps"
+    with ThreadPoolExecutor(1) as pool:
+        three = pool.submit(run_groups, lighthouse, LONG, [Pace(0.3), SayWhenAt(started, step=3)])
+        while not started.exists() and not three.done():
+            time.sleep(0.1)
+        ((fourth,),) = run_groups(lighthouse, LONG, [Pace(0.3)], names=("group-3",))
+        groups = [launch for (launch,) in three.result()]
+    assert not isinstance(fourth, BaseException), fourth
+    joined = fourth[0].joined_at
+    assert 3 <= joined < LONG.steps
+    for rank in fourth:
+        assert rank.joined_at == joined and rank.torchft_step == LONG.steps
+        assert_same_training(rank.result, single, since=joined)
+    shares = []
+    for group in groups:
+        assert not isinstance(group, BaseException), group
+        for rank in group:
+            assert_same_training(rank.result, single)
+            assert rank.rows[:joined] == [2] * joined and rank.redone == 0
+        shares.append(group[0].rows[joined:])
+    shares.append(fourth[0].rows)
+    assert [sum(rows) for rows in zip(*shares, strict=True)] == [6] * (LONG.steps - joined)
+    assert sorted(rows[0] for rows in shares) == [1, 1, 2, 2]
+
+
+def test_the_lighthouse_lost_stops_every_group_with_the_way_back_and_a_restart_resumes_the_run(
+    lighthouse: str, tmp_path: Path
+) -> None:
+    """The lighthouse is the one part the groups cannot do without: lost, each group's next quorum waits
+    ``quorum_timeout`` for it and the group stops, saying how to go on. Started again with a new lighthouse from the
+    newest checkpoint, the run goes on as the uninterrupted one, torchft's step count where it stopped."""
+    single = REFERENCES[CASE.reference(world_size=2)]
+    run = str(tmp_path / "run")
+    with lighthouse_process() as (process, address):
+        stopped = time.monotonic()
+        launches = run_groups(
+            address, CASE, [KillLighthouse(process.pid, step=3), keep_two_newest(run)], options=dict(quorum_timeout=3)
+        )
+        stopped = time.monotonic() - stopped
+    for (lost,) in launches:
+        assert isinstance(lost, RuntimeError) and "no quorum from the lighthouse" in str(lost), lost
+        assert "replica_groups.quorum_timeout=3 s" in str(lost) and "ckpt_path='last'" in str(lost)
+    saved = listing(LocalFileSystem(), f"file://{run}")
+    assert saved["last.ckpt"] == ["epoch=0-step=3.ckpt"]
+    assert saved["epoch=0-step=3.ckpt"] == saved["epoch=0-step=2.ckpt"] == checkpoint_files(2)
+
+    for (resumed,) in run_groups(lighthouse, CASE, resume_from=f"{run}/last.ckpt"):
+        assert not isinstance(resumed, BaseException), resumed
+        for rank in resumed:
+            assert_same_training(rank.result, single, since=3)
+            assert rank.rows == [2, 2] and rank.torchft_step == CASE.steps
+
+
 def test_a_rank_that_hangs_mid_step_counts_as_lost_after_the_timeouts() -> None:
     """SIGSTOP, not SIGKILL: the rank's process stays, and its group's manager goes on answering the lighthouse
     while its other rank waits for it inside the group. The others' all-reduce gives up after the groups' timeout
@@ -199,10 +303,11 @@ def test_a_rank_that_hangs_mid_step_counts_as_lost_after_the_timeouts() -> None:
     single = REFERENCES[CASE.reference(world_size=2)]
     server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=5_000, heartbeat_timeout_ms=1_000)
     hang = KillRankAt("group-1", rank=1, step=2, signal=signal.SIGSTOP)
+    fast = dict(timeout=3)
     started = time.monotonic()
     with ThreadPoolExecutor(1) as pool:  # the hung group ends where the test gives up on it: stopped, it never will
-        hung = pool.submit(run_ranks, 2, train_in_group, CASE, server.address(), "group-1", [hang], 3.0, timeout=30)
-        (first,), (last,) = run_groups(server.address(), CASE, [hang], timeout=3.0, names=("group-0", "group-2"))
+        hung = pool.submit(run_ranks, 2, train_in_group, CASE, server.address(), "group-1", [hang], fast, timeout=30)
+        (first,), (last,) = run_groups(server.address(), CASE, [hang], options=fast, names=("group-0", "group-2"))
         survived = time.monotonic() - started
         lost = hung.exception()
     server.shutdown()
@@ -282,6 +387,7 @@ def test_groups_split_by_tensor_or_pipeline_parallelism_go_on_without_a_lost_one
         (dict(groups=0), r"replica_groups.groups=0 must be a positive number of groups"),
         (dict(min_groups=0), r"replica_groups.min_groups=0 must be a positive number of groups"),
         (dict(timeout=0), r"replica_groups.timeout=0 must be a positive number of seconds"),
+        (dict(quorum_timeout=-1), r"replica_groups.quorum_timeout=-1 must be a positive number of seconds"),
         (dict(group="group-0"), r"needs the torchft lighthouse's address: set replica_groups.lighthouse or \$TORCHFT"),
         (dict(lighthouse="http://127.0.0.1:29510"), r"needs this launch's group name.*\$LIGHTDIST_REPLICA_GROUP"),
     ],

@@ -29,7 +29,6 @@ __all__ = ["ReplicaGroup", "ReplicaGroups", "StepNotCommitted"]
 
 LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"  # torchft's own name for the lighthouse's address
 GROUP_VARIABLE = "LIGHTDIST_REPLICA_GROUP"
-_QUORUM_TIMEOUT = timedelta(minutes=30)
 
 
 class StepNotCommitted(RuntimeError):
@@ -49,6 +48,9 @@ class ReplicaGroups:
             (up to ``timeout``), so that none joins a run that has already stepped.
         min_groups: Steps commit only while at least this many groups are in the quorum.
         timeout: Seconds a collective across groups waits before the group it waits for counts as lost.
+        quorum_timeout: Seconds a step's quorum waits for the lighthouse before it counts as lost, and every group
+            stops with the way back (a whole-job restart from the newest checkpoint). Keep it above the lighthouse's
+            ``--join_timeout_ms``, which a quorum may wait for a slow group.
     """
 
     lighthouse: str | None = None
@@ -56,14 +58,17 @@ class ReplicaGroups:
     groups: int = 1
     min_groups: int = 1
     timeout: float = 30.0
+    quorum_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         if type(self.groups) is not int or self.groups < 1:
             raise ValueError(f"replica_groups.groups={self.groups!r} must be a positive number of groups.")
         if type(self.min_groups) is not int or self.min_groups < 1:
             raise ValueError(f"replica_groups.min_groups={self.min_groups!r} must be a positive number of groups.")
-        if not isinstance(self.timeout, int | float) or self.timeout <= 0:
-            raise ValueError(f"replica_groups.timeout={self.timeout!r} must be a positive number of seconds.")
+        for name in ("timeout", "quorum_timeout"):
+            seconds = getattr(self, name)
+            if not isinstance(seconds, int | float) or seconds <= 0:
+                raise ValueError(f"replica_groups.{name}={seconds!r} must be a positive number of seconds.")
 
     def resolved(self) -> ReplicaGroups:
         """These options with the lighthouse and group name from the environment where not given; refused where
@@ -112,7 +117,7 @@ class ReplicaGroup:
             timeout=timeout,  # a collective or commit across groups
             # The lighthouse decides when a group that stopped asking is left out (its join timeout): the quorum
             # gives up only on the lighthouse itself.
-            quorum_timeout=_QUORUM_TIMEOUT,
+            quorum_timeout=timedelta(seconds=options.quorum_timeout),
             connect_timeout=timeout,
             rank=rank,
             world_size=size,
@@ -140,7 +145,7 @@ class ReplicaGroup:
         joined; in one that has, healing from a live group (``heal``) before it returns. That quorum is the one of
         the group's first step, which the others are about to take."""
         self._joining = True
-        self.manager.start_quorum()
+        self._start_quorum()
         deadline = time.monotonic() + self.options.timeout
         while self.manager.current_step() == 0 and self.manager.num_participants() < self.options.groups:
             if time.monotonic() > deadline:
@@ -150,7 +155,7 @@ class ReplicaGroup:
                     "others, or lower groups to those that will start."
                 )
             time.sleep(0.05)
-            self.manager.start_quorum()
+            self._start_quorum()
         self._joining, self._joined_for_next_step = False, True
         self.joined_at = self.manager.current_step()
 
@@ -162,7 +167,19 @@ class ReplicaGroup:
         if self._joined_for_next_step:
             self._joined_for_next_step = False
             return
-        self.manager.start_quorum()
+        self._start_quorum()
+
+    def _start_quorum(self) -> None:
+        try:
+            self.manager.start_quorum()
+        except TimeoutError as error:
+            raise RuntimeError(
+                f"lightdist: no quorum from the lighthouse at {self.options.lighthouse} within "
+                f"replica_groups.quorum_timeout={self.options.quorum_timeout:g} s: it is lost or unreachable. Start a "
+                "lighthouse again, then every group with ckpt_path='last': the run resumes from its newest complete "
+                "checkpoint. (A quorum_timeout above the lighthouse's --join_timeout_ms keeps a slow group from "
+                "looking like a lost lighthouse.)"
+            ) from error
 
     def deal(self, batch: Any) -> Any:
         """This group's rows of the global batch ``batch`` (a tensor, or a tuple, list or dict of tensors of as many
