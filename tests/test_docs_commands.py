@@ -65,7 +65,9 @@ SHELL_BLOCKS = {
     '\nsrun --overlap --nodes=1 --ntasks=1 --nodelist="$head" torchft_lighthouse --min_replicas 1 --join_timeout_ms '
     '60000 --heartbeat_timeout_ms 2000 --bind "[::]:29510" &\nsrun --overlap --ntasks-per-node=1 bash -c '
     "'LIGHTDIST_REPLICA_GROUP=node-$SLURM_NODEID torchrun --standalone --nproc-per-node=8 --max-restarts=3 "
-    ".venv/bin/lightdist fit --config my_replica_groups.yaml'": "not here: this machine has no SLURM (the page says so)",
+    ".venv/bin/lightdist fit --config my_replica_groups.yaml'": (
+        "not here: this machine has no SLURM (the page says so)"
+    ),
     "ray start --head\n.venv/bin/torchft_lighthouse --min_replicas 1 --join_timeout_ms 60000 --heartbeat_timeout_ms "
     '2000 --bind "[::]:29510" &\noptions=--trainer.strategy.init_args.replica_groups\nfor group in 0 1 2; do\n'
     ".venv/bin/lightdist fit --config configs/replica_groups_cpu.yaml --launcher ray --num-workers 2 --ray-address "
