@@ -25,6 +25,7 @@ from multiprocessing import forkserver, reduction
 from typing import Any
 from unittest import mock
 
+import fsspec.config
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -78,6 +79,11 @@ def _rank_main(
         LOCAL_RANK=str(rank),
         NODE_RANK="0",
     )
+    # fsspec reads its FSSPEC_ variables as it is imported: the server imported it in the environment of the test that
+    # started it, whose storage endpoint has since stopped. Read the caller's, as a started process does.
+    fsspec.config.conf.clear()
+    fsspec.config.set_conf_files(fsspec.config.conf_dir, fsspec.config.conf)
+    fsspec.config.set_conf_env(fsspec.config.conf)
     # Two cores, up to eight ranks: one thread each keeps them from fighting over the cores.
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # where a rank is stuck, printed when run_ranks gives up
