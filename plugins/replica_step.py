@@ -53,7 +53,6 @@ def join_replica_group(
     live = LiveState(strategy)
     trainer.callbacks.append(live)
     group = ReplicaGroup(options, dist.get_rank(), dist.get_world_size(), strategy.root_device, live.state, live.heal)
-    live.manager = group.manager
     if weights.countable and not weights.batches_alike:  # each step's loss weighs by its tokens, over every group's
         weights.replica_group, group.weigh_rows = group, False
     group.join()
@@ -71,14 +70,13 @@ class LiveState(Callback):
 
     def __init__(self, strategy: CheckpointingStrategy) -> None:
         self.strategy = strategy
-        self.manager: Any = None  # torchft's, once the group is built
         self._saved: dict[str, Any] | None = None  # at the end of the last committed step
 
     def state_dict(self) -> dict[str, Any]:
-        return {"torchft": self.manager.state_dict()}
+        return {"torchft": self.strategy.replica_group.manager.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.manager.load_state_dict(state_dict["torchft"])
+        self.strategy.replica_group.manager.load_state_dict(state_dict["torchft"])
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
         self._saved = self.strategy.live_checkpoint()

@@ -139,3 +139,15 @@ def gcs_bucket() -> Iterator[tuple[str, AbstractFileSystem]]:
         name = f"lightdist-{uuid.uuid4().hex[:12]}"
         gcs.mkdir(name)
         yield f"gs://{name}", gcs
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[str]:
+    """A torchft lighthouse that replica groups meet at, its address. A lost group's heartbeat stops for 1 s before the
+    survivors' next quorum leaves it out; a live group that is slow to ask (saving a checkpoint) is waited for up to a
+    minute, not left out after torchft's default 100 ms."""
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=1_000)
+    yield server.address()
+    server.shutdown()

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import yaml
 from lightning.pytorch import Trainer
-from torchft.coordination import LighthouseServer
 
 from lightdist.checkpoint.storage import resolve
 from lightdist.cli import COMMANDS, main
@@ -144,11 +143,12 @@ def test_torchrun_launches_the_ranks_with_a_strategy_named_on_the_command_line(t
 
 
 @pytest.mark.multirank
-def test_replica_groups_launched_by_torchrun_per_node_and_by_lightdist_fit_train_as_one_run(tmp_path: Path) -> None:
+def test_replica_groups_launched_by_torchrun_per_node_and_by_lightdist_fit_train_as_one_run(
+    tmp_path: Path, lighthouse: str
+) -> None:
     """The replica-groups config's groups as a cluster starts them, a torchrun per node, each its own rendezvous,
     beside one started as the config's header does on one machine; all name the lighthouse and their group in the
     environment, and the group first in each step's quorum saves the checkpoints into the one folder."""
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=2_000)
     torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
     with ThreadPoolExecutor(3) as pool:
         runs = [
@@ -159,12 +159,11 @@ def test_replica_groups_launched_by_torchrun_per_node_and_by_lightdist_fit_train
                 "--model.init_args.preset=tiny",
                 cwd=tmp_path,
                 launcher=launcher,
-                env={"TORCHFT_LIGHTHOUSE": lighthouse.address(), "LIGHTDIST_REPLICA_GROUP": f"group-{group}"},
+                env={"TORCHFT_LIGHTHOUSE": lighthouse, "LIGHTDIST_REPLICA_GROUP": f"group-{group}"},
             )
             for group, launcher in enumerate((torchrun, torchrun, ()))
         ]
         runs = [run.result() for run in runs]
-    lighthouse.shutdown()
     for run in runs:
         assert run.returncode == 0, run.stderr[-3000:]
     checkpoint = Path(resolve(str(tmp_path / "runs/replica_groups_cpu/checkpoints/last.ckpt")))

@@ -24,7 +24,6 @@ import torch
 from fsspec import AbstractFileSystem
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torchft.coordination import LighthouseServer
 
 from lightdist.cli import main
 
@@ -286,24 +285,22 @@ def test_lightdist_fit_runs_a_config_on_ray_and_reports_its_metrics(
 
 
 def test_replica_groups_run_as_ray_worker_groups(
-    tmp_path: Path, ray_cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, ray_cluster: Cluster, lighthouse: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The replica-groups config on Ray: a ``lightdist fit --launcher ray`` per group, each its own worker group on
     one Ray cluster, meeting the others at a lighthouse; the group first in each step's quorum saves. One group is
     started as its page starts it, the other from this process (``lightdist.ray.fit``)."""
     monkeypatch.chdir(tmp_path)
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=2_000)
     options = "--trainer.strategy.init_args.replica_groups"
     config = ["--config", str(CONFIGS / "replica_groups_cpu.yaml"), "--model.init_args.preset=tiny"]
     config += ["--trainer.max_steps=4", "--trainer.val_check_interval=4", "--trainer.limit_val_batches=1"]
     config += ["--trainer.logger=false", "--trainer.callbacks.init_args.every_n_train_steps=2"]
-    config += [f"{options}.lighthouse={lighthouse.address()}", f"{options}.groups=2"]
+    config += [f"{options}.lighthouse={lighthouse}", f"{options}.groups=2"]
     launcher = ["--launcher", "ray", "--num-workers", "2", "--ray-address", ray_cluster.address]
     command = [sys.executable, "-m", "lightdist", "fit", *config, *launcher, f"{options}.group=group-0"]
     first = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     second = lightdist.ray.fit([*config, f"{options}.group=group-1"], num_workers=2)
     _, error = first.communicate(timeout=240)
-    lighthouse.shutdown()
     assert first.returncode == 0, error[-3000:]
     assert second.error is None, second.error
     last = tmp_path / "runs/replica_groups_cpu/checkpoints/last.ckpt"

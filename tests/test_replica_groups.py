@@ -58,15 +58,6 @@ def lighthouse_process() -> Iterator[tuple[subprocess.Popen, str]]:
     process.wait()
 
 
-@pytest.fixture
-def lighthouse() -> Iterator[str]:
-    # A lost group's heartbeat stops for 1 s before the survivors' next quorum leaves it out; a live group that is
-    # slow to ask (saving a checkpoint) is waited for up to a minute, not left out after torchft's default 100 ms.
-    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=1_000)
-    yield server.address()
-    server.shutdown()
-
-
 class KillRankAt(Callback):
     """SIGKILLs (or sends ``signal`` to) this rank at ``step``, in the group named ``group`` as first started:
     mid-step, between its forward and backward, or ``before`` the step begins."""
