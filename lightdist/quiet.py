@@ -1,7 +1,7 @@
 """Third-party messages that tell a lightdist user nothing, silenced where they come from, each narrowly.
 
 Installed as lightdist is imported, in every process it runs in: the ranks, and the checkpoint process torch starts
-per rank, which runs lightdist's function first (``torch_internals.quiet_checkpoint_processes``) whatever the script
+per rank, which runs lightdist's function first (``torch_internals.adopt_checkpoint_processes``) whatever the script
 that started the rank imports, and where (the ``lightdist`` command, ``python -m lightdist``, a user's ``train.py``
 importing lightdist in its ``main()``). A user's own warnings and logs, and any other message of these packages, still
 show. ``LIGHTDIST_LOG=debug`` (``lightdist ... --verbose``), which child processes inherit, shows these too.

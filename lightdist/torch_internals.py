@@ -19,6 +19,10 @@ Each name is here because torch has no public way to do the same yet:
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -37,8 +41,8 @@ __all__ = [
     "FakeTensorMode",
     "FsspecReader",
     "FsspecWriter",
+    "adopt_checkpoint_processes",
     "is_view",
-    "quiet_checkpoint_processes",
     "set_group_timeout",
     "torch_function_modes",
 ]
@@ -66,21 +70,40 @@ def is_view(tensor: Tensor) -> bool:
     return tensor._base is not None
 
 
-# torch's own first function of the checkpoint process, kept before quiet_checkpoint_processes replaces it.
+# torch's own first function of the checkpoint process, kept before adopt_checkpoint_processes replaces it.
 _checkpoint_process_main = _AsyncCheckpointProcess._checkpointing_subprocess
 
 
-def quiet_checkpoint_processes() -> None:
-    """DCP's checkpoint process, which torch starts per rank by spawn, installs lightdist's filters before it logs.
+def adopt_checkpoint_processes() -> None:
+    """DCP's checkpoint process, which torch starts per rank by spawn, runs lightdist's function first: it installs
+    lightdist's filters before it logs, and it ends when its rank does.
 
     It logs each step of its start and every save request on the root logger, at INFO. Spawned, it inherits no
     filters, and imports only the script that started the rank, not what that script imports in ``main()``: without
     this, its lines show wherever the script does not import lightdist as it loads. Its first function is torch's
     own, called from lightdist's, which the process imports by name (and with it ``lightdist/quiet.py``).
+
+    torch ends it from its rank's exit handlers, which a SIGKILLed rank (the kernel's out-of-memory killer, a lost
+    node's torchrun) never runs: the process then waits forever on its pipe or on the other ranks' checkpoint
+    processes, holding its staged copy of the state.
     """
-    _AsyncCheckpointProcess._checkpointing_subprocess = staticmethod(_quiet_checkpoint_process)
+    _AsyncCheckpointProcess._checkpointing_subprocess = staticmethod(_adopted_checkpoint_process)
 
 
-def _quiet_checkpoint_process(*args: Any) -> None:
+def _adopted_checkpoint_process(*args: Any) -> None:
     silence_known_noise()
+    _end_when_parent_ends()
     _checkpoint_process_main(*args)
+
+
+def _end_when_parent_ends(poll_s: float = 1.0) -> None:
+    """Exit this spawned process within ``poll_s`` of its parent's end, or at once if it has ended already (a rank
+    killed while this process was still starting): the kernel then gives it another parent."""
+    parent = multiprocessing.parent_process().pid
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="lightdist-parent-watch", daemon=True).start()

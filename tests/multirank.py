@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from multiprocessing import forkserver, reduction
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -34,13 +35,28 @@ from torch.distributed.device_mesh import init_device_mesh
 from lightdist.parallel.structure import find_decoder_stack
 from lightdist.parallel.tensor import apply_tensor_parallel, discover_plan
 
-__all__ = ["free_port", "raised", "run_each", "run_ranks", "run_ranks_beside", "split_over_two_ranks"]
+__all__ = ["free_port", "processes_left", "raised", "run_each", "run_ranks", "run_ranks_beside", "split_over_two_ranks"]
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def processes_left(variable: str, value: str, grace_s: float = 5) -> list[str]:
+    """The command lines of the processes with ``variable=value`` in their environment still running after
+    ``grace_s``: what a job, marked so, left behind."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        left = []
+        for environ in Path("/proc").glob("[0-9]*/environ"):
+            with contextlib.suppress(OSError):
+                if f"{variable}={value}".encode() in environ.read_bytes().split(b"\0"):
+                    left.append((environ.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 # Ranks fork from a server that imported torch, Lightning, transformers and lightdist once, where a spawned rank

@@ -12,8 +12,11 @@ checkpoint stays.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import os
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -29,7 +32,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from lightdist.checkpoint.storage import commit, is_complete, remove, write_pointer
 from lightdist.parallel.sharding import local_tensor
-from lightdist.torch_internals import FsspecWriter, quiet_checkpoint_processes
+from lightdist.torch_internals import FsspecWriter, adopt_checkpoint_processes
 
 __all__ = ["WRITER_THREADS", "AsyncMode", "CheckpointSaver", "buffers_copied"]
 
@@ -49,7 +52,7 @@ class CheckpointSaver:
     def __init__(self, mode: AsyncMode | None) -> None:
         self._mode = mode
         if mode == "process":
-            quiet_checkpoint_processes()
+            adopt_checkpoint_processes()
         self._group: dist.ProcessGroup | None = None
         self._stager: DefaultStager | None = None
         self._staging: Future | None = None
@@ -103,15 +106,16 @@ class CheckpointSaver:
             if torch.cuda.is_available():
                 # Staging copies on its own stream: the optimizer step's kernels must have written their results.
                 torch.cuda.current_stream().synchronize()
-            response = dcp.async_save(
-                state,
-                storage_writer=writer,
-                process_group=self._group,
-                async_checkpointer_type=AsyncCheckpointerType.PROCESS
-                if self._mode == "process"
-                else AsyncCheckpointerType.THREAD,
-                async_stager=self._staging_area(),
-            )
+            with _checkpoint_processes_meet_at_rank_0(self._mode == "process" and dist.get_rank(self._group) == 0):
+                response = dcp.async_save(
+                    state,
+                    storage_writer=writer,
+                    process_group=self._group,
+                    async_checkpointer_type=AsyncCheckpointerType.PROCESS
+                    if self._mode == "process"
+                    else AsyncCheckpointerType.THREAD,
+                    async_stager=self._staging_area(),
+                )
             self._staging, self._upload = response.staging_completion, response.upload_completion
         else:
             dcp.save(state, storage_writer=writer, process_group=self._group)
@@ -239,6 +243,42 @@ def buffers_copied(module: nn.Module, state_dict: dict[str, Any]) -> dict[str, A
         name: value.clone() if isinstance(value, Tensor) and address(value) in buffers else value
         for name, value in state_dict.items()
     }
+
+
+_CHECKPOINT_PROCESS_STORE: dist.TCPStore | None = None  # rank 0's, for its checkpoint processes' lifetime: its own
+
+
+@contextlib.contextmanager
+def _checkpoint_processes_meet_at_rank_0(rank_0: bool) -> Iterator[None]:
+    """DCP's checkpoint processes (one per rank, started by the first save) meet at a store that rank 0 holds.
+
+    torch has rank 0 pick a free port and its checkpoint process bind it seconds later, once it has started: a
+    process that binds that port meanwhile (another job's on a shared node, another rank's store or listener) leaves
+    every checkpoint process waiting for the others, and the ranks for their uploads, for DCP's 30 minutes.
+    lightdist binds the store in rank 0 itself (on every interface), on a port the kernel gives as it binds, and
+    points DCP's prefix-store option (``DCP_USE_PREFIX_STORE``, read as the first save starts the processes) at it.
+    A store of its own, not the job's: a job that torchrun restarts keeps its agent's store, where the previous
+    attempt's keys would still be.
+    """
+    global _CHECKPOINT_PROCESS_STORE
+    if "MASTER_ADDR" not in os.environ:  # DCP's own rendezvous, as a job without one set up by a launcher has
+        yield
+        return
+    variables = {"DCP_USE_PREFIX_STORE": "1"}
+    if rank_0:
+        if _CHECKPOINT_PROCESS_STORE is None:
+            _CHECKPOINT_PROCESS_STORE = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        variables["MASTER_PORT"] = str(_CHECKPOINT_PROCESS_STORE.port)
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 def _on_every_rank(flag: bool, group: dist.ProcessGroup) -> bool:
