@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 
+from lightdist.config import ParallelConfig
 from lightdist.layout import ParallelLayout
 from lightdist.parallel.pipeline.schedules import check_microbatch_rounds
-from lightdist.parallelize import ParallelConfig
 from lightdist.plan.planner import Cluster, Estimate, GiB, ModelShape, choose_layout
 from lightdist.plan.throughput import device_peak_flops
 

@@ -18,8 +18,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightdist.checkpoint.async_checkpoint import AsyncMode, buffers_copied
+from lightdist.checkpoint.storage import resolve
+from lightdist.config import ParallelConfig
 from lightdist.parallel.tensor import reorder_optimizer_state
-from lightdist.parallelize import ParallelConfig, Parallelized
+from lightdist.parallelize import Parallelized
 from lightdist.plugins.auto_layout import LayoutRequest
 from lightdist.plugins.checkpoint_io import ShardedCheckpointIO
 from lightdist.plugins.lightning_internals import checkpoint_now, restore_after_setup
@@ -135,6 +137,13 @@ class CheckpointingStrategy(MeshStrategy):
             checkpoint, rank=self.global_rank, layout=self.layout, data_parallel=self._data_parallel
         )
         return checkpoint
+
+    def roll_back(self, checkpoint: str) -> str:
+        """Load ``checkpoint``'s weights and optimizer state, not its random state: the data goes on, past the batch
+        that failed. Returns the checkpoint's URL."""
+        self.load_checkpoint(checkpoint)
+        self._rng_state_to_restore = None
+        return resolve(checkpoint)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -25,11 +25,11 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
+from lightdist.config import ParallelConfig
 from lightdist.layout import ParallelLayout, ParallelMesh
 from lightdist.parallel.context import ContextParallel, context_parallel_over
 from lightdist.parallel.expert_parallel import check_expert_layout
 from lightdist.parallel.sharding import check_replicas
-from lightdist.parallelize import ParallelConfig
 from lightdist.plugins.auto_layout import LayoutRequest
 from lightdist.plugins.lightning_internals import give_device_mesh
 from lightdist.plugins.resume import ResumesLast, resuming_launcher

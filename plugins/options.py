@@ -8,8 +8,8 @@ from typing import Any
 
 from lightdist.checkpoint.async_checkpoint import AsyncMode
 from lightdist.checkpoint.storage import reject_credentials
+from lightdist.config import ParallelConfig
 from lightdist.parallel.pipeline.schedules import check_microbatch_rounds
-from lightdist.parallelize import ParallelConfig
 from lightdist.plugins.auto_layout import LayoutRequest
 from lightdist.plugins.non_finite import NonFinitePolicy
 from lightdist.plugins.token_weights import LossWeighting
@@ -58,4 +58,11 @@ def validate_options(
             "pipeline_tracer=True traces each block into a graph with its head counts fixed, which tensor "
             f"parallelism cannot rewrite, but tensor_parallel_size={sizes.tp!r}. Use "
             "tensor_parallel_size=1 with the tracer, or cut stages by structure (pipeline_tracer=False)."
+        )
+    if config.document_end_token is not None and (sizes.cp, sizes.pp) != (1, 1):
+        option, size = ("context_parallel_size", sizes.cp) if sizes.cp != 1 else ("pipeline_parallel_size", sizes.pp)
+        raise ValueError(
+            f"document_end_token={config.document_end_token} with {option}={size!r} is not supported yet: lightdist "
+            "confines attention to each document over the step's whole sequences and batch, not yet over sequences "
+            f"split among ranks or pipeline microbatches. Train with {option}=1, or without document_end_token."
         )

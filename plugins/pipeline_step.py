@@ -43,6 +43,7 @@ from torch.optim import Optimizer
 from torch.profiler import record_function
 from torchmetrics import Metric
 
+from lightdist.config import ParallelConfig
 from lightdist.dataflow import tensors_in
 from lightdist.parallel.context import tolerance
 from lightdist.parallel.loss_tokens import labelled_tokens, shares
@@ -50,7 +51,7 @@ from lightdist.parallel.pipeline.microbatches import cut_batch
 from lightdist.parallel.pipeline.schedules import SCHEDULES
 from lightdist.parallel.pipeline.structural import MicrobatchCalls, ModelCall
 from lightdist.parallel.pipeline.tied import TiedGradients, tied_gradients
-from lightdist.parallelize import ParallelConfig, Parallelized
+from lightdist.parallelize import Parallelized
 from lightdist.plugins.lightning_internals import data_source
 from lightdist.plugins.metric_sync import load_metric_states, metric_states, metrics_of
 from lightdist.plugins.model_calls import answering_model_calls, model_call_of

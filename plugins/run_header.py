@@ -9,10 +9,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightdist.config import ParallelConfig
 from lightdist.parallel.context import auto_method
 from lightdist.parallel.expert_parallel import find_experts
 from lightdist.parallel.tensor import model_attention_heads
-from lightdist.parallelize import ParallelConfig
 from lightdist.plan.planner import Estimate, GiB
 from lightdist.plugins.auto_layout import planned_layout
 from lightdist.plugins.token_weights import weighing_rule

@@ -4,7 +4,8 @@ A step runs on the rank's batch, or under context parallelism on its share of ea
 the step of each kind has shown, at its first run, that it computes the whole sequences' loss and gradients that way:
 ``lightdist.parallel.context.check``; under a pipeline too, unless its stages were traced from a rank's share), under
 a pipeline through the schedule; its loss is weighed by its labelled tokens (``token_weights.py``), and computed under
-loss parallelism where asked.
+loss parallelism where asked, its attention within each packed document where the documents' end token is given
+(``lightdist.parallel.documents``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
 from lightdist.parallel.context import ContextParallel, check_split_step, parameters_of, probe_prefix, tolerance
+from lightdist.parallel.documents import DocumentMasks
 from lightdist.parallel.loss_parallel import vocab_parallel_cross_entropy
 from lightdist.plugins.metric_sync import load_metric_states, metric_states, metrics_of
 from lightdist.plugins.token_weights import TokenWeights, logging_to
@@ -36,6 +38,7 @@ class Steps:
         traced: Whether the pipeline's stages were traced, from a rank's share of a batch: they run no other shape.
         loss_parallel: Whether the step's cross-entropy takes logits split by vocabulary.
         compute_dtype: What the step computes in, which bounds the rounding a check of the split allows.
+        document_end_token: The token that ends each document of a step's batch, where attention stops.
     """
 
     def __init__(
@@ -49,8 +52,10 @@ class Steps:
         traced: bool,
         loss_parallel: bool,
         compute_dtype: torch.dtype,
+        document_end_token: int | None = None,
     ) -> None:
         self.module, self.model, self.token_weights = module, model, token_weights
+        self.documents = DocumentMasks(document_end_token) if document_end_token is not None else None
         self.context_parallel, self.pipelined, self.loss_parallel = context_parallel, pipelined, loss_parallel
         self._rtol = tolerance(compute_dtype)
         checked = context_parallel is not None and not traced  # traced stages take a rank's share alone
@@ -59,18 +64,25 @@ class Steps:
 
     def run(self, name: str, step: Callable[[Any], Any], batch: Any) -> Any:
         """Lightning's step ``name``, which ``step`` runs on a batch, on ``batch``."""
+        if self.documents is not None:
+            self.documents.see(batch)
         if self.context_parallel is not None:
             if name in self._unchecked:
                 self._unchecked.discard(name)
                 self._check(name, step, batch)
             batch = self.context_parallel.shard_batch(batch)
         with self.loss_context():
-            return self.token_weights.step(name, batch, partial(step, batch))
+            output = self.token_weights.step(name, batch, partial(step, batch))
+        if self.documents is not None:
+            self.documents.check_attended()
+        return output
 
     def loss_context(self, *, split: bool = True) -> ExitStack:
-        """What a step's loss and its backward run under: context parallelism's positions and attention (where
-        ``split``), and the loss of logits split by vocabulary, as asked."""
+        """What a step's loss and its backward run under: attention within each document, context parallelism's
+        positions and attention (where ``split``), and the loss of logits split by vocabulary, as asked."""
         stack = ExitStack()
+        if self.documents is not None:
+            stack.enter_context(self.documents.active())
         if split and self.context_parallel is not None:
             stack.enter_context(self.context_parallel.active())
         if self.loss_parallel:

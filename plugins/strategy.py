@@ -23,14 +23,15 @@ from typing_extensions import override
 
 from lightdist.checkpoint.async_checkpoint import AsyncMode
 from lightdist.checkpoint.pretrained import PretrainedLoad, PretrainedWeights, check_pretrained, load_pretrained
-from lightdist.checkpoint.storage import configure, resolve
+from lightdist.checkpoint.storage import configure
+from lightdist.config import ParallelConfig
 from lightdist.parallel.activation_checkpointing import ActivationCheckpointing
 from lightdist.parallel.context import ContextParallelMethod
 from lightdist.parallel.pipeline.schedules import PipelineSchedule
 from lightdist.parallel.pipeline.traced import share_model_buffers
-from lightdist.parallel.sharding import ShardedOptimizer, ZeroStage, optimizer_states_to, step_mixed_meshes_per_tensor
+from lightdist.parallel.sharding import ZeroStage, optimizers_for_layout
 from lightdist.parallel.tensor import TensorParallelStyle
-from lightdist.parallelize import ModelHolder, ParallelConfig, materialize, parallelize
+from lightdist.parallelize import ModelHolder, materialize, parallelize
 from lightdist.plugins.auto_layout import LayoutRequest
 from lightdist.plugins.checkpointing_strategy import CheckpointingStrategy
 from lightdist.plugins.gradient_norm import GradientNorm
@@ -65,7 +66,8 @@ class ParallelStrategy(CheckpointingStrategy):
             ``lightdist plan``'s estimates pick the fastest sizes that fit in memory (``docs/planner.md``).
         zero_stage, data_parallel_replicas, pipeline_schedule, virtual_stages, microbatches, pipeline_split,
         pipeline_tracer, activation_checkpointing, sequence_parallel, loss_parallel, cpu_offload, tp_plan, compile,
-        expert_parallel_size, context_parallel_method: How the model is split (``ParallelConfig`` documents each).
+        expert_parallel_size, context_parallel_method, document_end_token: How the model is split and run
+            (``ParallelConfig`` documents each).
         context_parallel_size: Ranks that split each sequence, attention still over all of it (``context_parallel``).
         pretrained, pretrained_prefix: A Hugging Face checkpoint (a path or fsspec URL, or a ``PretrainedWeights``)
             the split model is filled from, each rank reading its shards' bytes, named as the parameters under
@@ -107,6 +109,7 @@ class ParallelStrategy(CheckpointingStrategy):
         expert_parallel_size: int = 1,
         context_parallel_size: int = 1,
         context_parallel_method: ContextParallelMethod = "auto",
+        document_end_token: int | None = None,
         async_checkpoint: AsyncMode | None = "process",
         pretrained: str | PretrainedWeights | None = None,
         pretrained_prefix: str = "",
@@ -135,6 +138,7 @@ class ParallelStrategy(CheckpointingStrategy):
             compile=compile,
             expert_parallel_size=expert_parallel_size,
             context_parallel_method=context_parallel_method,
+            document_end_token=document_end_token,
         )
         validate_options(
             sizes, config, async_checkpoint, storage_options, loss_weighting, non_finite, collective_timeout
@@ -216,6 +220,7 @@ class ParallelStrategy(CheckpointingStrategy):
             traced=self._parallelized.traced_input is not None,
             loss_parallel=config.loss_parallel and self.layout.tp > 1,
             compute_dtype=config.param_dtype or torch.float32,
+            document_end_token=config.document_end_token,
         )
         if self._parallelized.stages:
             self.pipeline_step = pipeline_step_over(
@@ -226,12 +231,9 @@ class ParallelStrategy(CheckpointingStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        step_mixed_meshes_per_tensor(self.optimizers)
-        if self._config.zero_stage == 1 and not self._parallelized.sharded_by_user:
-            # LR schedulers keep the user's optimizers: a ShardedOptimizer shares their parameter groups.
-            self.optimizers = [ShardedOptimizer(optimizer, self.device_mesh["dp"]) for optimizer in self.optimizers]
-        if not self._config.cpu_offload:
-            optimizer_states_to(self.optimizers, self.root_device)
+        zero1 = self._config.zero_stage == 1 and not self._parallelized.sharded_by_user
+        device = None if self._config.cpu_offload else self.root_device
+        self.optimizers = optimizers_for_layout(self.optimizers, self.device_mesh["dp"] if zero1 else None, device)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -290,13 +292,8 @@ class ParallelStrategy(CheckpointingStrategy):
             return step_in_quorum(self.replica_group, attempt, optimizer, self.checkpoint_io)
         except NonFiniteStep as event:
             optimizer.zero_grad(set_to_none=True)
-            self._non_finite.after_skipped_step(event, self.lightning_module.trainer, roll_back=self._roll_back)
+            self._non_finite.after_skipped_step(event, self.lightning_module.trainer, roll_back=self.roll_back)
             return None
-
-    def _roll_back(self, checkpoint: str) -> str:
-        self.load_checkpoint(checkpoint)
-        self._rng_state_to_restore = None  # the weights roll back; the data goes on, past the batch that failed
-        return resolve(checkpoint)
 
     @classmethod
     @override

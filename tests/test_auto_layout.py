@@ -9,9 +9,9 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
+from lightdist.config import ParallelConfig
 from lightdist.layout import ParallelLayout
 from lightdist.models import Llama, TokenDataModule
-from lightdist.parallelize import ParallelConfig
 from lightdist.plan.planner import Cluster, GiB, ModelShape, choose_layout
 from lightdist.plugins.auto_layout import device_memory_gib, planned_layout
 

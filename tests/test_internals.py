@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 from torchmetrics import MeanMetric
 
 from lightdist import torch_internals
-from lightdist.parallel.sharding import optimizer_states_to
+from lightdist.parallel.sharding import optimizers_for_layout
 from lightdist.parallelize import materialize
 from lightdist.plugins import lightning_internals
 from lightdist.plugins.lightning_internals import (
@@ -332,6 +332,6 @@ def test_restored_optimizer_states_move_to_the_device_and_their_step_counts_stay
     weight = nn.Parameter(torch.ones(2, device="meta"))
     optimizer = torch.optim.AdamW([weight])
     optimizer.state[weight] = {"step": torch.tensor(3.0), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}
-    optimizer_states_to([optimizer], torch.device("meta"))
+    assert optimizers_for_layout([optimizer], None, torch.device("meta")) == [optimizer]
     state = optimizer.state[weight]
     assert state["exp_avg"].is_meta and state["exp_avg_sq"].is_meta and state["step"].device.type == "cpu"

@@ -444,6 +444,8 @@ class Case:
     data_weights: list[float] | None = None  # each corpus's share, where data_path lists several
     # Loader batches in a single process: drawn in the order of this many ranks' samplers (None: a parallel run's)
     sampled_as_ranks: int | None = None
+    # Attention within each document the token ends; the single process too, as lightdist on one rank
+    document_end_token: int | None = None
 
     def reference(self, world_size: int) -> Case:
         """The single-process run that must produce the same numbers as this one on ``world_size`` ranks."""
@@ -467,6 +469,7 @@ class Case:
             val_check_interval=self.val_check_interval,
             data=self.data,
             sampled_as_ranks=data_parallel_size if self.data in LoaderBatches.FORMS else None,
+            document_end_token=self.document_end_token,
         )
 
 
@@ -612,10 +615,15 @@ def train(
             synthetic_tokens=65_536,
         )
     result = Result()
+    strategy = (
+        case.strategy
+        if case.document_end_token is None
+        else {**(case.strategy or {}), "document_end_token": case.document_end_token}
+    )
     trainer = Trainer(
         accelerator=case.accelerator,
         devices=devices,
-        strategy=ParallelStrategy(**case.strategy) if case.strategy is not None else "auto",
+        strategy=ParallelStrategy(**strategy) if strategy is not None else "auto",
         plugins=list(plugins),
         max_steps=case.steps,
         limit_train_batches=case.limit_train_batches,

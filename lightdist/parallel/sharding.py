@@ -39,9 +39,8 @@ __all__ = [
     "apply_data_parallel",
     "check_replicas",
     "local_tensor",
-    "optimizer_states_to",
+    "optimizers_for_layout",
     "replicas_problem",
-    "step_mixed_meshes_per_tensor",
 ]
 
 ZeroStage = Literal[0, 1, 2, 3]
@@ -217,7 +216,21 @@ class ShardedOptimizer(Optimizer):
         self.optimizer.load_state_dict(state_dict)
 
 
-def step_mixed_meshes_per_tensor(optimizers: Iterable[Optimizer]) -> None:
+def optimizers_for_layout(
+    optimizers: list[Optimizer], zero1_mesh: DeviceMesh | None, device: torch.device | None
+) -> list[Optimizer]:
+    """The user's optimizers as they step on a split model: tensor by tensor where a group mixes meshes, as ZeRO-1's
+    ``ShardedOptimizer`` over ``zero1_mesh`` where given (LR schedulers keep the user's optimizers: it shares their
+    parameter groups), their states moved to ``device`` where given (not under CPU offload)."""
+    _step_mixed_meshes_per_tensor(optimizers)
+    if zero1_mesh is not None:
+        optimizers = [ShardedOptimizer(optimizer, zero1_mesh) for optimizer in optimizers]
+    if device is not None:
+        _optimizer_states_to(optimizers, device)
+    return optimizers
+
+
+def _step_mixed_meshes_per_tensor(optimizers: Iterable[Optimizer]) -> None:
     """Let each optimizer step its groups that hold DTensors of more than one mesh (experts split over
     ``("edp", "ep")``, the rest over ``dp``) one tensor at a time: torch's foreach kernels refuse DTensors of different
     meshes in one call (torch 2.13). Fused kernels (the reference models' on GPUs) are turned off there too: they have
@@ -230,7 +243,7 @@ def step_mixed_meshes_per_tensor(optimizers: Iterable[Optimizer]) -> None:
                     group["fused"] = False
 
 
-def optimizer_states_to(optimizers: Iterable[Optimizer], device: torch.device) -> None:
+def _optimizer_states_to(optimizers: Iterable[Optimizer], device: torch.device) -> None:
     """Move the optimizers' states (a restored checkpoint's, loaded on the CPU) to ``device``. Each ``step`` count
     stays where it is: torch's optimizers keep it on the CPU unless they are fused or capturable."""
     for optimizer in optimizers:

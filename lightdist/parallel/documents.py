@@ -1,0 +1,185 @@
+"""Packed documents: attention stops at each document's end, in whatever model code the step runs.
+
+``lightdist prepare`` writes documents one after another, each ended by the tokenizer's end-of-sequence token, and a
+window of that stream holds the end of one document and the start of others. With the strategy's
+``document_end_token`` set, a step's token ids say where each document ends, and while the step (and its backward,
+which may recompute) runs, ``DocumentMasks`` gives the model's own calls what a document run alone would see:
+
+- ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` over the batch's sequences (nanoGPT, LitGPT, Hugging
+  Face's ``sdpa`` attention, the reference models) attends under the block-causal mask of the batch's documents: each
+  token to the tokens before it in its own document;
+- position embeddings looked up at ``arange`` positions (nanoGPT's ``wpe(arange(t))``, GPT-2's) are looked up at the
+  positions within each document, from 0 after each end token. Rotary positions need nothing: within a document,
+  attention depends on positions' differences only;
+- attention it cannot reach is refused, never left causal across documents: a mask the model builds itself, or a
+  step over several documents in which no attention call was seen (scores by hand, a kernel of its own).
+
+The end token belongs to the document it ends, so the next document's first token is predicted from it, as without
+masks. SDPA takes the mask densely (a boolean per pair of positions): exact on every backend, and the memory of one
+score matrix per sequence, which FlexAttention's block masks would save at long sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
+
+from lightdist.parallel.sharding import local_tensor
+
+__all__ = ["DocumentMasks", "attention_within_documents", "document_ids", "document_positions"]
+
+
+def document_ids(tokens: Tensor, end_token: int) -> Tensor:
+    """For each position of ``tokens`` (batch, sequence), the index in its row of the document it belongs to: the
+    end token closes its document, and the next token opens another."""
+    ends = (tokens == end_token).long()
+    return ends.cumsum(-1) - ends
+
+
+def document_positions(ids: Tensor) -> Tensor:
+    """Each token's position within its document (0 at each document's first token), from ``document_ids``."""
+    index = torch.arange(ids.size(-1), device=ids.device).expand_as(ids)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[..., 1:] = ids[..., 1:] != ids[..., :-1]
+    return index - torch.where(starts, index, 0).cummax(-1).values
+
+
+def token_ids_of(batch: Any) -> Tensor | None:
+    """The token ids of a step's batch: a tensor of them, a mapping's ``input_ids``, or the first integer tensor of
+    a tuple (inputs before targets)."""
+    if isinstance(batch, Tensor):
+        return batch if batch.dim() == 2 and not batch.is_floating_point() else None
+    if isinstance(batch, Mapping):
+        if isinstance(batch.get("input_ids"), Tensor):
+            return batch["input_ids"]
+        batch = list(batch.values())
+    if isinstance(batch, Sequence) and not isinstance(batch, str):
+        return next((ids for item in batch if (ids := token_ids_of(item)) is not None), None)
+    return None
+
+
+class DocumentMasks:
+    """The documents of each step's batch, ended by ``end_token``, and the mode that confines attention to them."""
+
+    def __init__(self, end_token: int) -> None:
+        self.end_token = end_token
+        self.ids: Tensor | None = None  # (batch, sequence) of the step's token ids
+        self.attended = 0  # attention calls given the documents' mask since the step began
+
+    def see(self, batch: Any) -> None:
+        """Take the documents of the step's ``batch`` (a step without token ids is refused)."""
+        tokens = token_ids_of(batch)
+        if tokens is None:
+            raise ValueError(
+                f"document_end_token={self.end_token}: the step's batch holds no token ids (a 2-D integer tensor, a "
+                "mapping's input_ids, or one in a tuple), so lightdist cannot tell where its documents end. Feed token "
+                "ids, or train without document_end_token."
+            )
+        self.ids, self.attended = document_ids(tokens, self.end_token), 0
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """The model's attention and position embeddings within the documents ``see`` took."""
+        with _DocumentMode(self):
+            yield
+
+    def check_attended(self) -> None:
+        """Refuse a step over several documents whose attention no call gave the documents' mask."""
+        if self.attended == 0 and self.ids is not None and bool((self.ids[:, -1] > 0).any()):
+            raise ValueError(
+                f"document_end_token={self.end_token}: the batch packs several documents in a sequence, but the step "
+                "called no torch.nn.functional.scaled_dot_product_attention over its sequences, so its attention (a "
+                "kernel of its own, or scores computed by broadcasting) would cross documents. Load Hugging Face "
+                "models with attn_implementation='sdpa'; in your own attention, call "
+                "F.scaled_dot_product_attention(q, k, v, is_causal=True); or train without document_end_token."
+            )
+
+    def ids_for(self, length: int, rows: int | None = None) -> Tensor | None:
+        """The document ids of a call over ``rows`` sequences (any, where ``None``) of ``length`` tokens: the
+        batch's own, or its inputs' (the tokens but the last, whose successors are the targets); ``None`` for a call
+        over other sequences."""
+        if (
+            self.ids is None
+            or rows not in (None, self.ids.size(0))
+            or length not in (self.ids.size(1), self.ids.size(1) - 1)
+        ):
+            return None
+        return self.ids[:, :length]
+
+
+@contextmanager
+def attention_within_documents(tokens: Tensor, end_token: int) -> Iterator[DocumentMasks]:
+    """Run a model on ``tokens`` (or its inputs ``tokens[:, :-1]``) with attention confined to each document, as
+    the strategy's ``document_end_token`` does for every step: for a model used outside a Trainer."""
+    documents = DocumentMasks(end_token)
+    documents.see(tokens)
+    with documents.active():
+        yield documents
+    documents.check_attended()
+
+
+class _DocumentMode(TorchFunctionMode):
+    def __init__(self, documents: DocumentMasks) -> None:
+        super().__init__()
+        self.documents = documents
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self._attention(*args, **kwargs)
+        if func is F.embedding:
+            return self._embedding(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _attention(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_mask: Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        **options: Any,  # scale, enable_gqa
+    ) -> Tensor:
+        ids = self.documents.ids_for(query.size(-2), query.size(0)) if query.dim() == 4 else None
+        if ids is None or key.size(-2) != query.size(-2):
+            return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, **options)
+        if attn_mask is not None or not is_causal:
+            raise ValueError(
+                f"document_end_token={self.documents.end_token}: the model's attention passes "
+                f"{'a mask of its own' if attn_mask is not None else 'is_causal=False'} over the batch's sequences, "
+                "which lightdist cannot confine to each document. Call F.scaled_dot_product_attention(q, k, v, "
+                "is_causal=True) with no mask (Hugging Face models build none for a batch without padding), or train "
+                "without document_end_token."
+            )
+        causal = torch.ones(ids.size(1), ids.size(1), dtype=torch.bool, device=ids.device).tril()
+        mask = (ids.unsqueeze(-1) == ids.unsqueeze(-2)) & causal
+        self.documents.attended += 1
+        return F.scaled_dot_product_attention(query, key, value, mask.unsqueeze(1), dropout_p, **options)
+
+    def _embedding(self, indices: Tensor, weight: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        ids = self.documents.ids_for(indices.size(-1)) if _counts_positions(local_tensor(indices)) else None
+        if ids is not None:  # a table of positions, looked up per document
+            positions = document_positions(ids)
+            if isinstance(indices, DTensor):  # under tensor parallelism: each rank looks up every position
+                if not all(placement.is_replicate() for placement in indices.placements):
+                    raise ValueError(
+                        f"document_end_token: positions split over ranks ({indices.placements}) are not supported yet."
+                    )
+                positions = DTensor.from_local(positions, indices.device_mesh, indices.placements)
+            indices = positions
+        return F.embedding(indices, weight, *args, **kwargs)
+
+
+def _counts_positions(indices: Tensor) -> bool:
+    """Whether ``indices`` are each row's positions, ``arange(length)``: a position embedding's lookup."""
+    if indices.dim() > 2 or indices.is_floating_point():
+        return False
+    return bool((indices == torch.arange(indices.size(-1), device=indices.device)).all())

@@ -1,0 +1,173 @@
+"""Packed documents: with ``document_end_token``, each token attends within its own document, in the model's own code,
+and a window of packed documents trains as the documents would alone.
+
+The windows are the arithmetic corpus's: sums of about ten tokens, each ended by a newline, so a window of 32 tokens
+packs three or four documents and the end of another. The models are third-party code as users write it: nanoGPT
+(learned positions, ``wpe(arange(t))``), LitGPT (rotary, grouped-query attention), and Hugging Face Llama, Qwen2 and
+GPT-2 (learned positions, Conv1D), each with the step that trains it in ``zoo``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import Tensor
+
+from lightdist.models.data import ARITHMETIC_ALPHABET, arithmetic_corpus
+from lightdist.parallel.documents import attention_within_documents, document_ids, document_positions
+from lightdist.plugins import ParallelStrategy
+
+from multirank import run_ranks
+from training import MODELS, WEIGHT_ATOL, Case, References, train_cases
+
+pytestmark = pytest.mark.multirank
+
+NEWLINE = ARITHMETIC_ALPHABET.index("\n")  # where each sum, a document here, ends
+FAMILIES = ["zoo_nanogpt", "zoo_litgpt", "zoo_hf_llama_labels", "zoo_hf_qwen2_logits", "zoo_hf_gpt2_labels"]
+
+
+def windows(rows: int = 2, length: int = 33, seed: int = 0) -> Tensor:
+    return torch.from_numpy(arithmetic_corpus(rows * length, seed=seed).astype("int64")).view(rows, length)
+
+
+def documents_of(window: Tensor) -> list[Tensor]:
+    """A window cut into the pieces each document trains on alone: its tokens, and the token its last one predicts
+    (the next document's first, as in the packed window)."""
+    starts = [0] + [int(end) + 1 for end in (window[:-2] == NEWLINE).nonzero().flatten()]
+    return [window[start : stop + 1] for start, stop in zip(starts, [*starts[1:], len(window) - 1], strict=True)]
+
+
+def step_loss(module, batch: Tensor) -> Tensor:
+    module.log = lambda *args, **kwargs: None
+    return module.training_step(batch, 0)
+
+
+def test_document_ids_and_positions_restart_after_each_end_token() -> None:
+    tokens = torch.tensor([[5, 12, 7, 8, 12, 12, 3], [1, 2, 3, 4, 5, 6, 7]])
+    ids = document_ids(tokens, end_token=12)
+    assert ids.tolist() == [[0, 0, 1, 1, 1, 2, 3], [0, 0, 0, 0, 0, 0, 0]]
+    assert document_positions(ids).tolist() == [[0, 1, 0, 1, 2, 0, 0], [0, 1, 2, 3, 4, 5, 6]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_packed_window_trains_as_its_documents_alone(family: str) -> None:
+    """The step's loss and gradients on packed windows with document masks are those of each document run alone
+    (its own step, on its own tokens), weighed by its targets and summed; without masks they are not."""
+    torch.manual_seed(0)
+    module = MODELS[family](learning_rate=1e-3, warmup_steps=1).eval()
+    batch = windows()
+    targets = batch.size(1) - 1
+
+    def gradients_of(loss: Tensor) -> list[Tensor]:
+        module.zero_grad(set_to_none=True)
+        loss.backward()
+        return [parameter.grad.clone() for parameter in module.parameters()]
+
+    with attention_within_documents(batch, NEWLINE) as documents:
+        packed = step_loss(module, batch)
+    packed_gradients = gradients_of(packed)
+    assert documents.attended > 0
+    alone = sum(
+        step_loss(module, piece[None]) * (len(piece) - 1) / (targets * len(batch))
+        for window in batch
+        for piece in documents_of(window)
+    )
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=0)
+    for packed_gradient, alone_gradient in zip(packed_gradients, gradients_of(alone), strict=True):
+        torch.testing.assert_close(packed_gradient, alone_gradient, rtol=1e-4, atol=1e-6)
+    assert (step_loss(module, batch) - alone).abs() > 1e-3  # attention across documents trains otherwise
+
+
+@pytest.mark.parametrize("family", ["zoo_nanogpt", "zoo_hf_llama_labels"])
+def test_no_token_sees_another_document(family: str) -> None:
+    """Every token of the first document changed: the logits of every later document stay as they were."""
+    torch.manual_seed(0)
+    model = MODELS[family](learning_rate=1e-3, warmup_steps=1).model.eval()
+    batch = windows(rows=1)[:, :-1]
+    first_end = int((batch[0] == NEWLINE).nonzero()[0])
+    changed = batch.clone()
+    changed[0, :first_end] = (changed[0, :first_end] + 1) % NEWLINE
+
+    def logits(tokens: Tensor, *, masked: bool) -> Tensor:
+        with attention_within_documents(tokens, NEWLINE) if masked else contextlib.nullcontext():
+            output = model(tokens, tokens) if family == "zoo_nanogpt" else model(tokens)
+        return (output[0] if isinstance(output, tuple) else output.logits)[0, first_end + 1 :]
+
+    torch.testing.assert_close(logits(changed, masked=True), logits(batch, masked=True), rtol=0, atol=1e-6)
+    assert (logits(changed, masked=False) - logits(batch, masked=False)).abs().max() > 1e-3
+
+
+def test_attention_the_masks_cannot_reach_is_refused_with_the_way_out() -> None:
+    batch = windows()
+    lecture = MODELS["zoo_nanogpt_slow_attention"](learning_rate=1e-3, warmup_steps=1)  # q @ k.T, tril, softmax
+    refused = pytest.raises(ValueError, match=r"called no torch\.nn\.functional\.scaled_dot_product_attention")
+    with refused, attention_within_documents(batch, NEWLINE):
+        step_loss(lecture, batch)
+    hugging_face = MODELS["zoo_hf_llama_labels"](learning_rate=1e-3, warmup_steps=1).model
+    padding = torch.ones_like(batch)
+    padding[0, -4:] = 0  # a collator's padding: Hugging Face builds a mask of its own
+    refused = pytest.raises(ValueError, match="passes a mask of its own over the batch's sequences")
+    with refused, attention_within_documents(batch, NEWLINE):
+        hugging_face(input_ids=batch, attention_mask=padding)
+    with pytest.raises(ValueError, match="holds no token ids"), attention_within_documents(torch.randn(2, 8), NEWLINE):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("options", "refusal"),
+    [
+        (dict(document_end_token=-1), "must be a token id"),
+        (dict(document_end_token=NEWLINE, context_parallel_size=2), "context_parallel_size=2 is not supported yet"),
+        (dict(document_end_token=NEWLINE, pipeline_parallel_size=2), "pipeline_parallel_size=2 is not supported yet"),
+        (dict(document_end_token=NEWLINE, compile=True), "compile=True is not supported yet"),
+    ],
+)
+def test_layouts_not_shown_yet_are_refused_as_the_strategy_is_built(options: dict, refusal: str) -> None:
+    with pytest.raises(ValueError, match=refusal):
+        ParallelStrategy(**options)
+
+
+# Each run on two ranks, with document masks, and the same run on one process with them.
+LAYOUTS = {
+    "tp2": dict(tensor_parallel_size=2),
+    "zero3_dp2": dict(zero_stage=3),
+    "zero2_dp2": dict(zero_stage=2),
+}
+CASES = {
+    f"{family}_{layout}": Case(strategy=LAYOUTS[layout], model=family, batch_size=2, document_end_token=NEWLINE)
+    for family, layout in [
+        ("llama", "tp2"),
+        ("zoo_nanogpt", "tp2"),
+        ("zoo_hf_qwen2_logits", "tp2"),
+        ("zoo_litgpt", "zero3_dp2"),
+        ("zoo_hf_gpt2_labels", "zero2_dp2"),
+    ]
+}
+WITHOUT_MASKS = Case(model="llama", batch_size=4)
+REFERENCES = References([*(case.reference(world_size=2) for case in CASES.values()), WITHOUT_MASKS])
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[str, object]:
+    """Every case in one group of two ranks, the references beside it."""
+    REFERENCES.start()
+    results, _ = run_ranks(2, train_cases, list(CASES.values()), 2, timeout=560)
+    return dict(zip(CASES, results, strict=True))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_document_masks_on_two_ranks_train_as_one_process(two_ranks: dict, name: str) -> None:
+    result, single = two_ranks[name], REFERENCES[CASES[name].reference(world_size=2)]
+    assert not result.error and not single.error, result.error or single.error
+    assert len(result.losses) == CASES[name].steps
+    torch.testing.assert_close(result.losses, single.losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(result.grad_norms, single.grad_norms, rtol=1e-5, atol=0)
+    for parameter, value in single.params.items():
+        torch.testing.assert_close(result.params[parameter], value, rtol=1e-5, atol=WEIGHT_ATOL, msg=parameter)
+
+
+def test_the_masks_change_what_trains() -> None:
+    masked, across = REFERENCES[CASES["llama_tp2"].reference(world_size=2)], REFERENCES[WITHOUT_MASKS]
+    assert masked.losses[0] != pytest.approx(across.losses[0], rel=1e-3)
