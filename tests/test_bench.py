@@ -130,6 +130,16 @@ def test_context_parallel_benchmark_times_each_size_and_method(tmp_path: Path) -
     assert len({row[7] for row in rows}) == 1, run.stdout
 
 
+def test_documents_benchmark_times_the_causal_and_the_document_masked_step() -> None:
+    bench = BENCH.parent / "documents.py"
+    options = ["--lengths", "128", "256", "--document", "32", "--repeats", "1"]
+    run = subprocess.run([sys.executable, str(bench), *options], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.strip("|").split("|") for line in run.stdout.splitlines() if line.startswith("| ") and "ms" in line]
+    assert [row[0].strip() for row in rows] == ["128", "256"]
+    assert all(float(row[3]) > 0 for row in rows), run.stdout
+
+
 def test_failures_benchmark_loses_a_rank_both_ways_and_counts_no_sample_missed(tmp_path: Path) -> None:
     """Its ranks upload checkpoints from a checkpoint process each, as lightdist does by default: none is left
     running after the job, not even the killed rank's, which may have been killed as its checkpoint process started."""

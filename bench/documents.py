@@ -1,0 +1,85 @@
+"""What document masks cost: a forward and backward of one packed sequence, attention under the causal mask against
+attention within each document (``document_end_token``: SDPA given the dense block-causal mask), at each length.
+
+A Llama (by default 2 blocks, width 256, 8 heads) on one sequence of documents of ``--document`` tokens each (the
+end token closing each). The dense mask holds a boolean per pair of positions, and SDPA runs its masked kernel rather
+than its causal one: the table shows the mask's size beside the step times.
+
+    python bench/documents.py                                  # 1k, 4k and 8k tokens on CPU
+    python bench/documents.py --device cuda --lengths 4096 16384 65536
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from lightdist.models.llama import LlamaConfig, LlamaModel
+from lightdist.parallel.documents import attention_within_documents
+
+END = 0  # the token that ends each document
+
+
+def packed(length: int, document: int, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, 256, (1, length + 1), generator=generator)
+    tokens[:, document - 1 :: document] = END
+    return tokens.to(device)
+
+
+def step_seconds(model: LlamaModel, tokens: torch.Tensor, masked: bool, repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 1):  # the first, a warm-up
+        model.zero_grad(set_to_none=True)
+        if tokens.is_cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        with attention_within_documents(tokens, END) if masked else nullcontext():
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+        if tokens.is_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--document", type=int, default=512, help="tokens per document, its end token included")
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.heads,
+        ffn_dim=2 * args.dim,
+        max_seq_len=max(args.lengths),
+    )
+    model = LlamaModel(config).to(device)
+    print(f"documents of {args.document} tokens; {args.layers} blocks, width {args.dim}, {args.heads} heads, {device}")
+    print("| tokens | causal step | document-masked step | ratio | mask |")
+    print("|---|---|---|---|---|")
+    for length in args.lengths:
+        tokens = packed(length, args.document, device)
+        causal, masked = (step_seconds(model, tokens, masked, args.repeats) for masked in (False, True))
+        mask = f"{length * length / 2**20:.0f} MiB"  # one boolean per pair of positions
+        print(f"| {length} | {causal * 1e3:.0f} ms | {masked * 1e3:.0f} ms | {masked / causal:.2f} | {mask} |")
+
+
+if __name__ == "__main__":
+    main()
