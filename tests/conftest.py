@@ -1,5 +1,4 @@
-"""Real storage servers for the tests, started by the tests themselves on 127.0.0.1, and the order the suite's two
-workers take the tests in.
+"""Real storage servers for the tests, started by the tests themselves on 127.0.0.1.
 
 Each server's endpoint and test credentials go into the environment, where s3fs and gcsfs find them, in this
 process and in the ranks it starts.
@@ -26,37 +25,6 @@ from fsspec import AbstractFileSystem
 from gcsfs.core import GCSFileSystem
 
 from multirank import free_port
-
-# The longest groups of tests, measured (the equivalence suite's by world size), first: each of the two workers takes
-# a group at a time, so the last ones to finish are short.
-_LONGEST_FIRST = [
-    "test_equivalence.py[4]",
-    "test_equivalence.py[2]",
-    "test_bench.py",
-    "test_cli.py",
-    "test_equivalence.py[8]",
-    "test_expert_parallel.py",
-    "test_restarts.py",
-    "test_replica_groups.py",
-]
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each test joins the group of its file (``--dist loadgroup`` keeps a group in one worker, where its groups of
-    ranks and module fixtures are made once), the equivalence suite a group per world size with the single-process
-    runs it is compared with; the longest groups go first."""
-    for item in items:
-        group = item.path.name
-        if group == "test_equivalence.py":
-            params = item.callspec.params if hasattr(item, "callspec") else {}
-            group += f"[{params.get('world_size', 2)}]"  # the world size whose references it reads
-        item.add_marker(pytest.mark.xdist_group(group))
-        item.stash[_GROUP] = group
-    rank = {group: index for index, group in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.stash[_GROUP], len(rank)))
-
-
-_GROUP = pytest.StashKey[str]()
 
 
 @contextmanager

@@ -428,15 +428,13 @@ CASES = {
 }
 
 
-# Every single-process run the parallel cases of each world size are compared with
-REFERENCES = {
-    size: References([case.reference(size) for case in cases.values()], timeout=900) for size, cases in CASES.items()
-}
+# Every single-process run the parallel cases are compared with
+REFERENCES = References([case.reference(size) for size, cases in CASES.items() for case in cases.values()], timeout=900)
 
 
 @cache
 def parallel_results(world_size: int) -> dict[str, Result]:
-    REFERENCES[world_size].start()
+    REFERENCES.start()
     cases = CASES[world_size]
     # A group trains its cases one after another (starting ranks is the slow part): minutes, not the default's 300 s,
     # and under pytest's 600 s, so that a stuck group prints where its ranks are.
@@ -450,7 +448,7 @@ def parallel_results(world_size: int) -> dict[str, Result]:
 def test_parallel_run_matches_single_process(world_size: int, name: str) -> None:
     case = CASES[world_size][name]
     parallel = parallel_results(world_size)[name]
-    single = REFERENCES[world_size][case.reference(world_size)]
+    single = REFERENCES[case.reference(world_size)]
     assert not parallel.error, parallel.error
     assert not single.error, single.error
 
@@ -470,7 +468,7 @@ def test_parallel_run_matches_single_process(world_size: int, name: str) -> None
 
 def test_training_moves_the_weights() -> None:
     """Guards the comparison above: a run that did not train would match nothing but itself."""
-    trained = REFERENCES[2][CASES[2]["zero3"].reference(world_size=2)]
+    trained = REFERENCES[CASES[2]["zero3"].reference(world_size=2)]
     assert trained.losses[-1] < trained.losses[0]
     # ... and one that did not validate would compare nothing: 8 batches of 8 windows, each counted once.
     assert trained.validated.keys() == {"val_loss", "val_perplexity", "val_windows"}
