@@ -18,8 +18,9 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
+from context_parallel import build
 
-from lightdist.models.llama import LlamaConfig, LlamaModel
+from lightdist.models.llama import LlamaModel
 from lightdist.parallel.documents import attention_within_documents
 
 END = 0  # the token that ends each document
@@ -60,17 +61,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     device = torch.device(args.device)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        dim=args.dim,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        n_kv_heads=args.heads,
-        ffn_dim=2 * args.dim,
-        max_seq_len=max(args.lengths),
-    )
-    model = LlamaModel(config).to(device)
+    model = build(args, device)  # the context-parallel benchmark's Llama, of the same options
     print(f"documents of {args.document} tokens; {args.layers} blocks, width {args.dim}, {args.heads} heads, {device}")
     print("| tokens | causal step | document-masked step | ratio | mask |")
     print("|---|---|---|---|---|")
