@@ -136,6 +136,12 @@ class ParallelConfig:
                 f"document_end_token={end} with compile=True is not supported yet: lightdist confines attention to "
                 "each document in eager blocks. Choose one: compile=False, or no document_end_token."
             )
+        if end is not None and self.pipeline_tracer:
+            raise ValueError(
+                f"document_end_token={end} with pipeline_tracer=True: traced stages call torch's own attention and "
+                "embedding operators, which lightdist cannot confine to each document. Cut stages by structure "
+                "(pipeline_tracer=False), or train without document_end_token."
+            )
         if self.cpu_offload and self.zero_stage < 2:
             raise ValueError(
                 f"cpu_offload=True needs sharded parameters and gradients, but zero_stage={self.zero_stage}. "

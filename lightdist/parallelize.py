@@ -292,6 +292,13 @@ def _parallelize_traced(
             "traced stages inline each experts module, which expert parallelism splits. Cut the stages by structure "
             "(pipeline_tracer=False, the blocks in an nn.ModuleList), or set expert_parallel_size=1."
         )
+    if config.document_end_token is not None:
+        raise ValueError(
+            f"document_end_token={config.document_end_token} with pipeline stages cut by torch's tracer: the traced "
+            "graph calls torch's own attention and embedding operators, which lightdist cannot confine to each "
+            "document. Keep the blocks in an nn.ModuleList the forward loops over (stages cut by structure, "
+            "pipeline_tracer=False), or train without document_end_token."
+        )
     pp = mesh["pp"].size()
     count = pp * config.stages_per_pipeline_rank
     sizes = _blocks_per_stage(

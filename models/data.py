@@ -141,6 +141,12 @@ class TokenDataModule(LightningDataModule):
         self.train = Mixture(trains, self.weights, seed=self.seed)
         self.val = Mixture(vals) if self.val_fraction > 0 else None
 
+    @property
+    def eos_token_id(self) -> int | None:
+        """The token that ends each document of the prepared corpora, once set up (``None`` for the arithmetic
+        corpus and flat token files, which do not say): a strategy's ``document_end_token`` must be it."""
+        return next((corpus.tokenizer.eos_token_id for corpus in self.corpora if corpus.tokenizer), None)
+
     def _split(self, tokens: TokenShards | np.ndarray) -> tuple[TokenWindows, TokenWindows | None]:
         """Training windows, and validation's from the last ``val_fraction`` of the tokens."""
         split = int(len(tokens) * (1 - self.val_fraction))

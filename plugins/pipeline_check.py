@@ -14,7 +14,7 @@ gradients. At initialization every token's loss is alike, so a mean weighed wron
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
 import torch
@@ -65,6 +65,8 @@ class Pipeline(Protocol):
 
     def __call__(self, step_name: str, batch: Any, batch_idx: int, *, train: bool) -> Tensor: ...
 
+    def within_documents(self, part: Any) -> AbstractContextManager[None]: ...
+
 
 class PipelineCheck:
     """At the first training step, on a probe of its batch, two comparisons against ``whole`` (the copy the last stage
@@ -102,11 +104,13 @@ class PipelineCheck:
         module, name = pipeline.module, f"{type(pipeline.module).__name__}.training_step"
         stages, examples = dist.get_world_size(pipeline.pp_group), pipeline.microbatches
         weights = [p for p in module.parameters() if p.requires_grad]
-        whole, whole_grads = _loss_and_gradients(module, probe, weights)
+        with pipeline.within_documents(probe):
+            whole, whole_grads = _loss_and_gradients(module, probe, weights)
         weighed = torch.zeros((), device=whole.device)
         weighed_grads = [torch.zeros_like(weight) for weight in weights]
         for share, microbatch in zip(pipeline.shares, cut_batch(probe, examples), strict=True):
-            loss, grads = _loss_and_gradients(module, microbatch, weights)
+            with pipeline.within_documents(microbatch):
+                loss, grads = _loss_and_gradients(module, microbatch, weights)
             weighed += share * loss
             for total, grad in zip(weighed_grads, grads, strict=True):
                 total.add_(grad, alpha=float(share))

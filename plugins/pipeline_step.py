@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial, wraps
 from typing import Any, Literal
@@ -46,6 +46,7 @@ from torchmetrics import Metric
 from lightdist.config import ParallelConfig
 from lightdist.dataflow import tensors_in
 from lightdist.parallel.context import tolerance
+from lightdist.parallel.documents import DocumentMasks
 from lightdist.parallel.loss_tokens import labelled_tokens, shares
 from lightdist.parallel.pipeline.microbatches import cut_batch
 from lightdist.parallel.pipeline.schedules import SCHEDULES
@@ -56,6 +57,7 @@ from lightdist.plugins.lightning_internals import data_source
 from lightdist.plugins.metric_sync import load_metric_states, metric_states, metrics_of
 from lightdist.plugins.model_calls import answering_model_calls, model_call_of
 from lightdist.plugins.pipeline_check import PipelineCheck
+from lightdist.plugins.steps import Steps
 from lightdist.plugins.token_weights import TokenWeights
 
 __all__ = [
@@ -152,6 +154,7 @@ class PipelineStep:
         tied: TiedGradients | None = None,
         traced_input: Callable[[tuple[tuple, dict]], tuple] | None = None,
         first_step_check: PipelineCheck | None = None,
+        documents: DocumentMasks | None = None,
     ) -> None:
         """``callable_as_model``: the modules (by name in ``module``, ``""`` for itself) whose call by the step is
         the model call that enters the first stage. ``token_weights``: weighs the batch by its labelled tokens among
@@ -159,10 +162,11 @@ class PipelineStep:
         the tensor-parallel ranks each stage hands its share of the sequence to the next (sequence parallelism), 1
         without. ``traced_input``: for stages cut by the tracer, the first stage's positional inputs from the model
         call; without it, every stage gets the call as ``StageModel`` expects. ``first_step_check``: run on the first
-        training batch, before it trains."""
+        training batch, before it trains. ``documents``: the step's packed documents, where attention stops; each
+        stage's forward and backward of a microbatch attend within that microbatch's."""
         self.module, self.microbatches, self.tied, self.traced_input = module, microbatches, tied, traced_input
         self.callable_as_model, self.sequence_shards = callable_as_model, sequence_shards
-        self.token_weights, self.first_step_check = token_weights, first_step_check
+        self.token_weights, self.first_step_check, self.documents = token_weights, first_step_check, documents
         last = [stage.submod for stage in stages if stage.is_last]
         # The model call's answer on the last stage, whole (structure-cut stages hand on the output's tensors only).
         self._whole_output = last[0].whole_output if last else lambda output: output
@@ -191,7 +195,8 @@ class PipelineStep:
         self.clock = StageClock(stages[0].device)
         for stage in stages:
             for compute, name in _STAGE_COMPUTE.items():
-                setattr(stage, compute, self.clock.timed(getattr(stage, compute), f"stage {stage.stage_index} {name}"))
+                within_documents = self._within_microbatch_documents(getattr(stage, compute))
+                setattr(stage, compute, self.clock.timed(within_documents, f"stage {stage.stage_index} {name}"))
             stage.forward_one_chunk = self._ending_setup(stage.forward_one_chunk)
         # Whether torch's schedule is still setting up this rank's stages, before its first microbatch's forward: it
         # may run them on made-up inputs and call the loss on their made-up outputs, to learn the shapes of what flows
@@ -309,13 +314,14 @@ class PipelineStep:
             inputs = inputs if self.first else ()  # torch 2.11 takes them on the first stage only
         self.setting_up_stages = True
         try:
-            return getattr(self.schedule, run)(
-                *inputs,
-                **stage_kwargs,
-                target=index if self.last else None,
-                losses=losses if self.last else None,
-                return_outputs=return_outputs,
-            )
+            with self.within_documents(self._microbatches[0]):  # what setting up runs the stages on is its shape
+                return getattr(self.schedule, run)(
+                    *inputs,
+                    **stage_kwargs,
+                    target=index if self.last else None,
+                    losses=losses if self.last else None,
+                    return_outputs=return_outputs,
+                )
         finally:
             self._step = self._step_for_input = None
             self._microbatches = []
@@ -355,6 +361,19 @@ class PipelineStep:
                 "microbatch as the schedule's loss, so it must return the loss (or a dict with a 'loss'), every time."
             )
         return torch.zeros((), device=self.module.device)  # a validation or test step that only logs
+
+    def within_documents(self, part: Any) -> AbstractContextManager[None]:
+        """Within, the model attends within the documents of ``part`` of the step's batch, where documents are
+        given."""
+        return self.documents.within(part) if self.documents is not None else nullcontext()
+
+    def _within_microbatch_documents(self, compute: Callable[..., Any]) -> Callable[..., Any]:
+        @wraps(compute)
+        def compute_within_documents(microbatch: int, *args: Any, **kwargs: Any) -> Any:
+            with self.within_documents(self._microbatches[microbatch]):
+                return compute(microbatch, *args, **kwargs)
+
+        return compute_within_documents if self.documents is not None else compute
 
     def _ending_setup(self, forward_one_chunk: Callable[..., Any]) -> Callable[..., Any]:
         @wraps(forward_one_chunk)
@@ -482,12 +501,13 @@ def pipeline_step_over(
     parallelized: Parallelized,
     mesh: DeviceMesh,
     config: ParallelConfig,
-    token_weights: TokenWeights,
+    steps: Steps,
     timeout: timedelta,
 ) -> PipelineStep:
     """The step runner over this rank's stages of ``parallelized``: torch's ``PipelineStage`` on the mesh's ``pp``
-    group, on the rank's device (where ``token_weights`` counts), the schedule ``config`` names. A collective: every
-    rank takes part in grouping the tied weights' ends."""
+    group, on the rank's device (where ``steps.token_weights`` counts), the schedule ``config`` names, attending within
+    ``steps``' documents. A collective: every rank takes part in grouping the tied weights' ends."""
+    token_weights = steps.token_weights
     pp_group = mesh["pp"].get_group()
     stages = [
         _StageLearningShapesOnZeros(stage, index, parallelized.stage_count, token_weights.device, group=pp_group)
@@ -507,6 +527,7 @@ def pipeline_step_over(
         tied=tied_gradients(module, parallelized.tied, mesh, timeout),
         traced_input=parallelized.traced_input,
         first_step_check=_first_step_check(module, parallelized, mesh, config, token_weights),
+        documents=steps.documents,
     )
 
 

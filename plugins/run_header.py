@@ -77,6 +77,8 @@ def run_header(
     split += [name.replace("_", " ") for name in ("sequence_parallel", "loss_parallel", "compile") if run[name]]
     if run["activation_checkpointing"]:
         split.append(f"{run['activation_checkpointing']} activation checkpointing")
+    if run["document_end_token"] is not None:
+        split.append(f"attention within each document (ended by token {run['document_end_token']})")
     if split:
         lines.append("  " + ", ".join(split))
     if layout.dp > 1 or trainer.accumulate_grad_batches > 1:  # where batches weigh against each other

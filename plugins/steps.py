@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
 from lightdist.parallel.context import ContextParallel, check_split_step, parameters_of, probe_prefix, tolerance
-from lightdist.parallel.documents import DocumentMasks
+from lightdist.parallel.documents import DocumentMasks, check_end_token
 from lightdist.parallel.loss_parallel import vocab_parallel_cross_entropy
 from lightdist.plugins.metric_sync import load_metric_states, metric_states, metrics_of
 from lightdist.plugins.token_weights import TokenWeights, logging_to
@@ -55,7 +55,10 @@ class Steps:
         document_end_token: int | None = None,
     ) -> None:
         self.module, self.model, self.token_weights = module, model, token_weights
-        self.documents = DocumentMasks(document_end_token) if document_end_token is not None else None
+        self.documents = None
+        if document_end_token is not None:
+            check_end_token(document_end_token, module.trainer.datamodule)
+            self.documents = DocumentMasks(document_end_token)
         self.context_parallel, self.pipelined, self.loss_parallel = context_parallel, pipelined, loss_parallel
         self._rtol = tolerance(compute_dtype)
         checked = context_parallel is not None and not traced  # traced stages take a rank's share alone

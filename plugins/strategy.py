@@ -224,7 +224,7 @@ class ParallelStrategy(CheckpointingStrategy):
         )
         if self._parallelized.stages:
             self.pipeline_step = pipeline_step_over(
-                module, self._parallelized, self.device_mesh, config, self.steps.token_weights, self._collective_timeout
+                module, self._parallelized, self.device_mesh, config, self.steps, self._collective_timeout
             )
         return self._parallelized.model
 

@@ -114,6 +114,7 @@ def test_every_config_trains_on_two_cpu_ranks(
     printed = capfd.readouterr()
     # The tiny Llama's 4 heads divide between the 2 ranks that split each window: "auto" deals them out.
     assert "each sequence split over 2 ranks (attention: all_to_all, auto)" in printed.out + printed.err
+    assert "attention within each document (ended by token 0)" in printed.out + printed.err  # python_docs_s3_cpu
     assert secret not in (printed.out + printed.err).encode()
     written = [path for path in tmp_path.rglob("*") if path.is_file() and secret in path.read_bytes()]
     uploaded = [key for key in s3.find("lightdist") if secret in s3.cat_file(key)]

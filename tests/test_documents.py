@@ -10,17 +10,24 @@ GPT-2 (learned positions, Conv1D), each with the step that trains it in ``zoo``.
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import pytest
 import torch
 from torch import Tensor
 
+from lightdist.models import TokenDataModule
 from lightdist.models.data import ARITHMETIC_ALPHABET, arithmetic_corpus
-from lightdist.parallel.documents import attention_within_documents, document_ids, document_positions
+from lightdist.parallel.documents import (
+    attention_within_documents,
+    check_end_token,
+    document_ids,
+    document_positions,
+)
 from lightdist.plugins import ParallelStrategy
 
 from multirank import run_ranks
-from training import MODELS, WEIGHT_ATOL, Case, References, train_cases
+from training import MODELS, WEIGHT_ATOL, Case, References, merge_stages, prepared_arithmetic, train_cases
 
 pytestmark = pytest.mark.multirank
 
@@ -115,12 +122,35 @@ def test_attention_the_masks_cannot_reach_is_refused_with_the_way_out() -> None:
         pass
 
 
+def test_a_models_own_activation_checkpointing_is_refused_for_the_strategys() -> None:
+    """torch leaves the masks' mode while backward runs: a block the model recomputes itself would attend across
+    documents. lightdist's own activation checkpointing recomputes within them (the runs on two ranks below)."""
+    module = MODELS["zoo_hf_llama_labels"](learning_rate=1e-3, warmup_steps=1)
+    module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = windows()
+    with attention_within_documents(batch, NEWLINE):
+        loss = step_loss(module.train(), batch)
+        with pytest.raises(ValueError, match=r"activation_checkpointing='full' or 'selective'"):
+            loss.backward()
+
+
+def test_an_end_token_other_than_the_corpus_one_is_refused(tmp_path: Path) -> None:
+    """A prepared corpus records its tokenizer's end-of-sequence id: any other would be in no window, and attention
+    would cross documents as without masks."""
+    data = TokenDataModule(data_path=prepared_arithmetic(tmp_path, tokens=4096), seq_len=32, batch_size=2)
+    data.setup("fit")
+    assert data.eos_token_id == len(ARITHMETIC_ALPHABET)  # <|endoftext|>, written in place of each newline
+    check_end_token(data.eos_token_id, data)
+    with pytest.raises(ValueError, match=f"Set document_end_token={data.eos_token_id}"):
+        check_end_token(NEWLINE, data)
+
+
 @pytest.mark.parametrize(
     ("options", "refusal"),
     [
         (dict(document_end_token=-1), "must be a token id"),
         (dict(document_end_token=NEWLINE, context_parallel_size=2), "context_parallel_size=2 is not supported yet"),
-        (dict(document_end_token=NEWLINE, pipeline_parallel_size=2), "pipeline_parallel_size=2 is not supported yet"),
+        (dict(document_end_token=NEWLINE, pipeline_parallel_size=2, pipeline_tracer=True), "pipeline_tracer=True"),
         (dict(document_end_token=NEWLINE, compile=True), "compile=True is not supported yet"),
     ],
 )
@@ -129,23 +159,38 @@ def test_layouts_not_shown_yet_are_refused_as_the_strategy_is_built(options: dic
         ParallelStrategy(**options)
 
 
-# Each run on two ranks, with document masks, and the same run on one process with them.
+# Each run on two ranks, with document masks, and the same run on one process with them. Under a pipeline each
+# microbatch's stages attend within its own documents; blocks recomputed in backward attend as their forward did.
+PP2 = dict(pipeline_parallel_size=2)
 LAYOUTS = {
     "tp2": dict(tensor_parallel_size=2),
-    "zero3_dp2": dict(zero_stage=3),
+    "zero3_dp2_full_checkpointing": dict(zero_stage=3, activation_checkpointing="full"),
     "zero2_dp2": dict(zero_stage=2),
+    "pp2": PP2,
+    "pp2_full_checkpointing": dict(PP2, activation_checkpointing="full"),
+    "pp2_zero_bubble_4_microbatches": dict(PP2, pipeline_schedule="zero_bubble", microbatches=4),
 }
 CASES = {
-    f"{family}_{layout}": Case(strategy=LAYOUTS[layout], model=family, batch_size=2, document_end_token=NEWLINE)
+    f"{family}_{layout}": Case(
+        strategy=LAYOUTS[layout],
+        model=family,
+        batch_size=LAYOUTS[layout].get("microbatches", 2),
+        document_end_token=NEWLINE,
+    )
     for family, layout in [
         ("llama", "tp2"),
         ("zoo_nanogpt", "tp2"),
         ("zoo_hf_qwen2_logits", "tp2"),
-        ("zoo_litgpt", "zero3_dp2"),
+        ("zoo_litgpt", "zero3_dp2_full_checkpointing"),
         ("zoo_hf_gpt2_labels", "zero2_dp2"),
+        ("zoo_nanogpt", "pp2"),
+        ("zoo_hf_llama_labels", "pp2_full_checkpointing"),
+        ("zoo_hf_gpt2_labels", "pp2_zero_bubble_4_microbatches"),
     ]
 }
 WITHOUT_MASKS = Case(model="llama", batch_size=4)
+# Blocks in an nn.Sequential: torch's tracer cuts the stages, into graphs of aten ops the masks cannot reach.
+TRACED = Case(strategy=PP2, model="zoo_lecture_gpt", batch_size=2, document_end_token=NEWLINE)
 REFERENCES = References([*(case.reference(world_size=2) for case in CASES.values()), WITHOUT_MASKS])
 
 
@@ -153,8 +198,8 @@ REFERENCES = References([*(case.reference(world_size=2) for case in CASES.values
 def two_ranks() -> dict[str, object]:
     """Every case in one group of two ranks, the references beside it."""
     REFERENCES.start()
-    results, _ = run_ranks(2, train_cases, list(CASES.values()), 2, timeout=560)
-    return dict(zip(CASES, results, strict=True))
+    results = merge_stages(run_ranks(2, train_cases, [*CASES.values(), TRACED], 2, timeout=560))
+    return dict(zip([*CASES, "traced"], results, strict=True))
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -164,8 +209,14 @@ def test_document_masks_on_two_ranks_train_as_one_process(two_ranks: dict, name:
     assert len(result.losses) == CASES[name].steps
     torch.testing.assert_close(result.losses, single.losses, rtol=1e-5, atol=0)
     torch.testing.assert_close(result.grad_norms, single.grad_norms, rtol=1e-5, atol=0)
+    assert result.params.keys() == single.params.keys()
     for parameter, value in single.params.items():
         torch.testing.assert_close(result.params[parameter], value, rtol=1e-5, atol=WEIGHT_ATOL, msg=parameter)
+
+
+def test_stages_cut_by_the_tracer_are_refused_with_the_way_out(two_ranks: dict) -> None:
+    assert "pipeline stages cut by torch's tracer" in two_ranks["traced"].error
+    assert "Keep the blocks in an nn.ModuleList" in two_ranks["traced"].error
 
 
 def test_the_masks_change_what_trains() -> None:

@@ -6,8 +6,8 @@ the order torchtitan uses: FSDP's hooks on the block then gather its parameters 
 
 Backward recomputes a block from the arguments its forward was given, so a block must not leave state behind that its
 recompute reads: checkpointed blocks are called without Hugging Face's key/value cache
-(``lightdist.parallel.kv_cache``). And it recomputes under context parallelism, as the forward ran, though torch leaves
-the mode while it runs backward.
+(``lightdist.parallel.kv_cache``). And it recomputes under context parallelism and within packed documents, as the
+forward ran, though torch leaves their modes while it runs backward.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -32,12 +33,15 @@ from torch.utils.checkpoint import (
 
 from lightdist.dataflow import device_of_call
 from lightdist.parallel.context import ContextParallelMode
+from lightdist.parallel.documents import DocumentMode
 from lightdist.parallel.kv_cache import without_kv_cache
 from lightdist.torch_internals import torch_function_modes
 
 __all__ = ["ActivationCheckpointing", "apply_activation_checkpointing", "attention_ops"]
 
 ActivationCheckpointing = Literal["full", "selective"]
+# The modes a block's forward ran under that its recompute must run under too.
+_RECOMPUTED_UNDER = (ContextParallelMode, DocumentMode)
 
 # Outputs worth keeping: matmuls and attention (``attention_ops``) are where the FLOPs are; norms, activations and
 # elementwise ops are cheap to recompute and hold as much memory. This is torchtitan's op-level selective
@@ -94,7 +98,7 @@ def _recomputed_in_backward(forward: Callable[..., Any], selective: bool) -> Cal
             # is moved after its blocks are wrapped.
             keep = [*_MATMULS, *attention_ops(device_of_call(args, kwargs).type)]
             contexts = partial(create_selective_checkpoint_contexts, keep)
-        if modes := [mode for mode in torch_function_modes() if isinstance(mode, ContextParallelMode)]:
+        if modes := [mode for mode in torch_function_modes() if isinstance(mode, _RECOMPUTED_UNDER)]:
             contexts = partial(_recomputed_under, modes, contexts)
         args, kwargs = without_kv_cache(args, kwargs)
         return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
@@ -103,17 +107,17 @@ def _recomputed_in_backward(forward: Callable[..., Any], selective: bool) -> Cal
 
 
 def _recomputed_under(
-    modes: list[ContextParallelMode], contexts: Callable[[], tuple[Any, Any]]
+    modes: list[TorchFunctionMode], contexts: Callable[[], tuple[Any, Any]]
 ) -> tuple[AbstractContextManager, AbstractContextManager]:
     forward_context, recompute_context = contexts()
     return forward_context, _under_modes(modes, recompute_context)
 
 
 @contextmanager
-def _under_modes(modes: list[ContextParallelMode], context: AbstractContextManager) -> Iterator[None]:
-    """``context``, under the context-parallel ``modes`` the forward ran under that are not entered now: torch leaves
-    a mode while the mode handles a call, ``backward`` included, so a block recomputed there would attend within the
-    rank's share of the sequence, not over the whole as its forward did."""
+def _under_modes(modes: list[TorchFunctionMode], context: AbstractContextManager) -> Iterator[None]:
+    """``context``, under the ``modes`` the forward ran under that are not entered now: torch leaves a mode while the
+    mode handles a call, ``backward`` included, so a block recomputed there would attend within the rank's share of
+    the sequence, or across documents, not as its forward did."""
     entered = torch_function_modes()
     with ExitStack() as stack:
         for mode in modes:

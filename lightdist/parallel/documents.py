@@ -30,10 +30,18 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import CheckpointError
 
 from lightdist.parallel.sharding import local_tensor
 
-__all__ = ["DocumentMasks", "attention_within_documents", "document_ids", "document_positions"]
+__all__ = [
+    "DocumentMasks",
+    "DocumentMode",
+    "attention_within_documents",
+    "check_end_token",
+    "document_ids",
+    "document_positions",
+]
 
 
 def document_ids(tokens: Tensor, end_token: int) -> Tensor:
@@ -75,6 +83,19 @@ class DocumentMasks:
 
     def see(self, batch: Any) -> None:
         """Take the documents of the step's ``batch`` (a step without token ids is refused)."""
+        self.ids, self.attended = self._ids_of(batch), 0
+
+    @contextmanager
+    def within(self, part: Any) -> Iterator[None]:
+        """Within, attention over the documents of ``part`` of the step's batch (a pipeline's microbatch, the
+        examples a check runs), which the model is called on in place of the batch; the batch's after."""
+        step_ids, self.ids = self.ids, self._ids_of(part)
+        try:
+            yield
+        finally:
+            self.ids = step_ids
+
+    def _ids_of(self, batch: Any) -> Tensor:
         tokens = token_ids_of(batch)
         if tokens is None:
             raise ValueError(
@@ -82,12 +103,12 @@ class DocumentMasks:
                 "mapping's input_ids, or one in a tuple), so lightdist cannot tell where its documents end. Feed token "
                 "ids, or train without document_end_token."
             )
-        self.ids, self.attended = document_ids(tokens, self.end_token), 0
+        return document_ids(tokens, self.end_token)
 
     @contextmanager
     def active(self) -> Iterator[None]:
         """The model's attention and position embeddings within the documents ``see`` took."""
-        with _DocumentMode(self):
+        with DocumentMode(self):
             yield
 
     def check_attended(self) -> None:
@@ -114,6 +135,17 @@ class DocumentMasks:
         return self.ids[:, :length]
 
 
+def check_end_token(end_token: int, data: Any) -> None:
+    """Refuse an end token other than the one ``data`` (a datamodule) says ends its documents, its ``eos_token_id``:
+    no window would hold it, and attention would cross every document as without masks."""
+    eos = getattr(data, "eos_token_id", None)
+    if isinstance(eos, int) and eos != end_token:
+        raise ValueError(
+            f"document_end_token={end_token}, but the documents of {type(data).__name__} end with token {eos} (its "
+            f"tokenizer's end-of-sequence token): attention would cross every document. Set document_end_token={eos}."
+        )
+
+
 @contextmanager
 def attention_within_documents(tokens: Tensor, end_token: int) -> Iterator[DocumentMasks]:
     """Run a model on ``tokens`` (or its inputs ``tokens[:, :-1]``) with attention confined to each document, as
@@ -125,7 +157,10 @@ def attention_within_documents(tokens: Tensor, end_token: int) -> Iterator[Docum
     documents.check_attended()
 
 
-class _DocumentMode(TorchFunctionMode):
+class DocumentMode(TorchFunctionMode):
+    """Gives the model's attention and position lookups the documents of ``documents``; activation checkpointing
+    enters it again to recompute a block, as the forward ran."""
+
     def __init__(self, documents: DocumentMasks) -> None:
         super().__init__()
         self.documents = documents
@@ -136,7 +171,21 @@ class _DocumentMode(TorchFunctionMode):
             return self._attention(*args, **kwargs)
         if func is F.embedding:
             return self._embedding(*args, **kwargs)
+        if func in _BACKWARD:
+            return self._backward(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _backward(self, backward: Any, args: tuple, kwargs: dict) -> Any:
+        try:
+            return backward(*args, **kwargs)
+        except CheckpointError as error:  # torch leaves the mode while backward runs, and the model's recompute
+            raise ValueError(
+                f"document_end_token={self.documents.end_token}: the model recomputes its blocks in backward by its "
+                "own activation checkpointing (Hugging Face's gradient_checkpointing_enable(), or "
+                "torch.utils.checkpoint in its code), which runs without the documents' masks. Turn it off and let "
+                "lightdist checkpoint the blocks (activation_checkpointing='full' or 'selective'), which recomputes "
+                "them within the documents."
+            ) from error
 
     def _attention(
         self,
@@ -176,6 +225,10 @@ class _DocumentMode(TorchFunctionMode):
                 positions = DTensor.from_local(positions, indices.device_mesh, indices.placements)
             indices = positions
         return F.embedding(indices, weight, *args, **kwargs)
+
+
+# Where a step's backward starts, under which the model may recompute its blocks.
+_BACKWARD = {Tensor.backward, torch.autograd.backward, torch.autograd.grad}
 
 
 def _counts_positions(indices: Tensor) -> bool:
