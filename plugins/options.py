@@ -59,9 +59,3 @@ def validate_options(
             f"parallelism cannot rewrite, but tensor_parallel_size={sizes.tp!r}. Use "
             "tensor_parallel_size=1 with the tracer, or cut stages by structure (pipeline_tracer=False)."
         )
-    if config.document_end_token is not None and sizes.cp != 1:
-        raise ValueError(
-            f"document_end_token={config.document_end_token} with context_parallel_size={sizes.cp!r} is not supported "
-            "yet: lightdist confines attention to each document over whole sequences, not yet over sequences split "
-            "among ranks. Train with context_parallel_size=1, or without document_end_token."
-        )

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from functools import partial, wraps
 from typing import Any, Literal
@@ -46,7 +46,7 @@ from torchmetrics import Metric
 from lightdist.config import ParallelConfig
 from lightdist.dataflow import tensors_in
 from lightdist.parallel.context import tolerance
-from lightdist.parallel.documents import DocumentMasks
+from lightdist.parallel.documents import DocumentMasks, within_documents
 from lightdist.parallel.loss_tokens import labelled_tokens, shares
 from lightdist.parallel.pipeline.microbatches import cut_batch
 from lightdist.parallel.pipeline.schedules import SCHEDULES
@@ -365,7 +365,7 @@ class PipelineStep:
     def within_documents(self, part: Any) -> AbstractContextManager[None]:
         """Within, the model attends within the documents of ``part`` of the step's batch, where documents are
         given."""
-        return self.documents.within(part) if self.documents is not None else nullcontext()
+        return within_documents(self.documents, part)
 
     def _within_microbatch_documents(self, compute: Callable[..., Any]) -> Callable[..., Any]:
         @wraps(compute)

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
 from lightdist.parallel.context import ContextParallel, check_split_step, parameters_of, probe_prefix, tolerance
-from lightdist.parallel.documents import DocumentMasks, check_end_token
+from lightdist.parallel.documents import DocumentMasks, check_end_token, within_documents
 from lightdist.parallel.loss_parallel import vocab_parallel_cross_entropy
 from lightdist.plugins.metric_sync import load_metric_states, metric_states, metrics_of
 from lightdist.plugins.token_weights import TokenWeights, logging_to
@@ -59,6 +59,8 @@ class Steps:
         if document_end_token is not None:
             check_end_token(document_end_token, module.trainer.datamodule)
             self.documents = DocumentMasks(document_end_token)
+            if context_parallel is not None:
+                context_parallel.attend_within(self.documents)
         self.context_parallel, self.pipelined, self.loss_parallel = context_parallel, pipelined, loss_parallel
         self._rtol = tolerance(compute_dtype)
         checked = context_parallel is not None and not traced  # traced stages take a rank's share alone
@@ -119,11 +121,17 @@ class Steps:
         trains = name == "training_step" and self.module.automatic_optimization
         if name == "training_step" and not trains:
             return  # a manual step steps its optimizers: it cannot run twice unseen
-        with unseen(self.module), self._synced(), self.token_weights.set_aside():
+        probe = probe_prefix(batch, self.context_parallel.size, every_example=self.pipelined)
+        with (
+            unseen(self.module),
+            self._synced(),
+            self.token_weights.set_aside(),
+            within_documents(self.documents, probe),
+        ):
             check_split_step(
                 self.context_parallel,
                 counted,
-                probe_prefix(batch, self.context_parallel.size, every_example=self.pipelined),
+                probe,
                 parameters_of(self.module) if trains else None,
                 rtol=self._rtol,
                 step_name=f"{type(self.module).__name__}.{name}",

@@ -149,7 +149,6 @@ def test_an_end_token_other_than_the_corpus_one_is_refused(tmp_path: Path) -> No
     ("options", "refusal"),
     [
         (dict(document_end_token=-1), "must be a token id"),
-        (dict(document_end_token=NEWLINE, context_parallel_size=2), "context_parallel_size=2 is not supported yet"),
         (dict(document_end_token=NEWLINE, pipeline_parallel_size=2, pipeline_tracer=True), "pipeline_tracer=True"),
         (dict(document_end_token=NEWLINE, compile=True), "compile=True is not supported yet"),
     ],
@@ -162,31 +161,36 @@ def test_layouts_not_shown_yet_are_refused_as_the_strategy_is_built(options: dic
 # Each run on two ranks, with document masks, and the same run on one process with them. Under a pipeline each
 # microbatch's stages attend within its own documents; blocks recomputed in backward attend as their forward did.
 PP2 = dict(pipeline_parallel_size=2)
-LAYOUTS = {
-    "tp2": dict(tensor_parallel_size=2),
-    "zero3_dp2_full_checkpointing": dict(zero_stage=3, activation_checkpointing="full"),
-    "zero2_dp2": dict(zero_stage=2),
-    "pp2": PP2,
-    "pp2_full_checkpointing": dict(PP2, activation_checkpointing="full"),
-    "pp2_zero_bubble_4_microbatches": dict(PP2, pipeline_schedule="zero_bubble", microbatches=4),
-}
+CP2_RING = dict(context_parallel_size=2, context_parallel_method="ring")
+CP2_ALL_TO_ALL = dict(context_parallel_size=2, context_parallel_method="all_to_all")
+
+
+def packed(model: str, strategy: dict, batch_size: int = 2, seq_len: int = 32) -> Case:
+    return Case(strategy, model, batch_size=batch_size, seq_len=seq_len, document_end_token=NEWLINE)
+
+
 CASES = {
-    f"{family}_{layout}": Case(
-        strategy=LAYOUTS[layout],
-        model=family,
-        batch_size=LAYOUTS[layout].get("microbatches", 2),
-        document_end_token=NEWLINE,
-    )
-    for family, layout in [
-        ("llama", "tp2"),
-        ("zoo_nanogpt", "tp2"),
-        ("zoo_hf_qwen2_logits", "tp2"),
-        ("zoo_litgpt", "zero3_dp2_full_checkpointing"),
-        ("zoo_hf_gpt2_labels", "zero2_dp2"),
-        ("zoo_nanogpt", "pp2"),
-        ("zoo_hf_llama_labels", "pp2_full_checkpointing"),
-        ("zoo_hf_gpt2_labels", "pp2_zero_bubble_4_microbatches"),
-    ]
+    "llama_tp2": packed("llama", dict(tensor_parallel_size=2)),
+    "zoo_nanogpt_tp2": packed("zoo_nanogpt", dict(tensor_parallel_size=2)),
+    "zoo_hf_qwen2_logits_tp2": packed("zoo_hf_qwen2_logits", dict(tensor_parallel_size=2)),
+    "zoo_litgpt_zero3_dp2_full_checkpointing": packed(
+        "zoo_litgpt", dict(zero_stage=3, activation_checkpointing="full")
+    ),
+    "zoo_hf_gpt2_labels_zero2_dp2": packed("zoo_hf_gpt2_labels", dict(zero_stage=2)),
+    "zoo_nanogpt_pp2": packed("zoo_nanogpt", PP2),
+    "zoo_hf_llama_labels_pp2_full_checkpointing": packed(
+        "zoo_hf_llama_labels", dict(PP2, activation_checkpointing="full")
+    ),
+    "zoo_hf_gpt2_labels_pp2_zero_bubble_4_microbatches": packed(
+        "zoo_hf_gpt2_labels", dict(PP2, pipeline_schedule="zero_bubble", microbatches=4), batch_size=4
+    ),
+    # Each sequence split over the 2 ranks: the ring masks each chunk of queries by its documents, the all-to-all's
+    # whole sequences are masked as one process's; learned positions are looked up at a rank's share's.
+    "zoo_nanogpt_cp2_ring": packed("zoo_nanogpt", CP2_RING),
+    "llama_cp2_ring_full_checkpointing": packed("llama", dict(CP2_RING, activation_checkpointing="full")),
+    "zoo_litgpt_cp2_all_to_all": packed("zoo_litgpt", CP2_ALL_TO_ALL),
+    # Hugging Face shifts its labels itself: windows of 32 tokens, which the model takes whole
+    "zoo_hf_gpt2_labels_cp2_all_to_all": packed("zoo_hf_gpt2_labels", CP2_ALL_TO_ALL, seq_len=31),
 }
 WITHOUT_MASKS = Case(model="llama", batch_size=4)
 # Blocks in an nn.Sequential: torch's tracer cuts the stages, into graphs of aten ops the masks cannot reach.

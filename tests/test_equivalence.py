@@ -8,6 +8,7 @@ from functools import cache
 import pytest
 import torch
 
+from lightdist.models.data import ARITHMETIC_ALPHABET
 from lightdist.plugins.token_weights import weighing_rule
 
 from multirank import run_ranks
@@ -20,6 +21,7 @@ TP2_NO_SP = dict(tensor_parallel_size=2, sequence_parallel=False)
 PP2 = dict(pipeline_parallel_size=2)  # 1F1B over 2 microbatches, by default
 CP2 = dict(context_parallel_size=2)  # the method picked by the heads: all-to-all where they divide
 CP2_RING = dict(context_parallel_size=2, context_parallel_method="ring")
+NEWLINE = ARITHMETIC_ALPHABET.index("\n")  # where each sum ends: a document_end_token
 HSDP2 = dict(zero_stage=3, data_parallel_replicas=2)  # 2 replicas, each sharding over its half of the ranks
 
 CASES = {
@@ -297,6 +299,13 @@ CASES = {
         ),
         "zoo_nanogpt_pp2_cp2_ring": Case(strategy=dict(PP2, **CP2_RING), model="zoo_nanogpt"),
         "zoo_litgpt_pp2_cp2": Case(strategy=dict(PP2, **CP2), model="zoo_litgpt"),
+        # packed documents (tests/test_documents.py): each microbatch's documents, on each rank's share of them
+        "zoo_nanogpt_pp2_cp2_ring_documents": Case(
+            strategy=dict(PP2, **CP2_RING), model="zoo_nanogpt", document_end_token=NEWLINE
+        ),
+        "zoo_hf_qwen2_logits_cp2_tp2_documents": Case(
+            strategy=dict(CP2, **TP2), model="zoo_hf_qwen2_logits", document_end_token=NEWLINE
+        ),
         # stages cut by torch's tracer, traced from a rank's share: of the module the step calls (self.model), and
         # with rotary positions (a table's rows)
         "held_sequential_pp2_cp2_traced": Case(strategy=dict(PP2, **CP2), model="held_sequential"),
@@ -418,6 +427,9 @@ CASES = {
             strategy=dict(PP2, **TP2), model="zoo_nanogpt", gradient_clip_val=0.1
         ),
         "zoo_litgpt_3d": Case(strategy=dict(PP2, **TP2), model="zoo_litgpt"),
+        "zoo_hf_llama_3d_labels_documents": Case(
+            strategy=dict(PP2, **TP2_NO_SP), model="zoo_hf_llama_labels", document_end_token=NEWLINE
+        ),
         "zoo_hf_llama_3d_collated_validating": Case(
             strategy=dict(PP2, **TP2), model="zoo_hf_llama_finetuning", data="collated", validate=True
         ),

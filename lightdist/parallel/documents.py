@@ -14,16 +14,19 @@ which may recompute) runs, ``DocumentMasks`` gives the model's own calls what a 
 - attention it cannot reach is refused, never left causal across documents: a mask the model builds itself, or a
   step over several documents in which no attention call was seen (scores by hand, a kernel of its own).
 
-The end token belongs to the document it ends, so the next document's first token is predicted from it, as without
-masks. SDPA takes the mask densely (a boolean per pair of positions): exact on every backend, and the memory of one
-score matrix per sequence, which FlexAttention's block masks would save at long sequences.
+Under a pipeline each microbatch's stages attend within its own documents (``within``); under context parallelism the
+split's attention masks by them too (``lightdist.parallel.context.attention``), and a rank's share of positions is
+looked up per document. The end token belongs to the document it ends, so the next document's first token is
+predicted from it, as without masks. SDPA takes the mask densely (a boolean per pair of positions): exact on every
+backend, and the memory of one score matrix per sequence, which FlexAttention's block masks would save at long
+sequences.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from typing import Any
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +44,7 @@ __all__ = [
     "check_end_token",
     "document_ids",
     "document_positions",
+    "within_documents",
 ]
 
 
@@ -73,6 +77,16 @@ def token_ids_of(batch: Any) -> Tensor | None:
     return None
 
 
+class SequenceSplit(Protocol):
+    """Context parallelism's split of the step's sequences (``lightdist.parallel.context``), which attends within
+    these documents: the lengths of the ranks' shares, and the positions in the whole sequence of this rank's."""
+
+    size: int
+    local_lengths: set[int]
+
+    def positions(self, local_len: int, device: torch.device | None = None) -> Tensor: ...
+
+
 class DocumentMasks:
     """The documents of each step's batch, ended by ``end_token``, and the mode that confines attention to them."""
 
@@ -80,6 +94,8 @@ class DocumentMasks:
         self.end_token = end_token
         self.ids: Tensor | None = None  # (batch, sequence) of the step's token ids
         self.attended = 0  # attention calls given the documents' mask since the step began
+        # Where context parallelism runs the model on a rank's share of each sequence: the share's positions.
+        self.split: SequenceSplit | None = None
 
     def see(self, batch: Any) -> None:
         """Take the documents of the step's ``batch`` (a step without token ids is refused)."""
@@ -103,7 +119,8 @@ class DocumentMasks:
                 "mapping's input_ids, or one in a tuple), so lightdist cannot tell where its documents end. Feed token "
                 "ids, or train without document_end_token."
             )
-        return document_ids(tokens, self.end_token)
+        # A batch split by context parallelism stands for its whole sequences: theirs are the documents.
+        return document_ids(tokens.as_subclass(Tensor), self.end_token)
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -133,6 +150,37 @@ class DocumentMasks:
         ):
             return None
         return self.ids[:, :length]
+
+    def same_document(self, length: int, queries: Tensor, keys: int) -> Tensor | None:
+        """Whether each query of a call over sequences of ``length`` tokens (its positions ``queries``) is in the
+        document of each of the first ``keys`` positions, as (batch, 1, queries, keys): for attention that builds its
+        own mask over parts of the sequences (context parallelism's ring); ``None`` for a call over other sequences."""
+        ids = self.ids_for(length)
+        if ids is None:
+            return None
+        self.attended += 1
+        return (ids.index_select(1, queries).unsqueeze(-1) == ids[:, None, :keys]).unsqueeze(1)
+
+    def positions_of(self, indices: Tensor) -> Tensor | None:
+        """The positions within their documents of the tokens at ``indices``, where ``indices`` are the positions of
+        a sequence's tokens (``arange(length)``, or under context parallelism a rank's share of them): the lookup of a
+        position embedding, as (batch, length); ``None`` for any other indices."""
+        if indices.dim() > 2 or indices.is_floating_point():
+            return None
+        length = indices.size(-1)
+        whole = torch.arange(length, device=indices.device)
+        if self.split is not None and length in self.split.local_lengths:
+            length, whole = length * self.split.size, self.split.positions(length, indices.device)
+        ids = self.ids_for(length)
+        if ids is None or not bool((indices == whole).all()):
+            return None
+        return document_positions(ids).index_select(1, whole)
+
+
+def within_documents(documents: DocumentMasks | None, part: Any) -> AbstractContextManager[None]:
+    """``documents.within(part)``: attention within the documents of ``part`` of the step's batch; nothing without
+    documents."""
+    return nullcontext() if documents is None else documents.within(part)
 
 
 def check_end_token(end_token: int, data: Any) -> None:
@@ -214,9 +262,8 @@ class DocumentMode(TorchFunctionMode):
         return F.scaled_dot_product_attention(query, key, value, mask.unsqueeze(1), dropout_p, **options)
 
     def _embedding(self, indices: Tensor, weight: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        ids = self.documents.ids_for(indices.size(-1)) if _counts_positions(local_tensor(indices)) else None
-        if ids is not None:  # a table of positions, looked up per document
-            positions = document_positions(ids)
+        positions = self.documents.positions_of(local_tensor(indices))
+        if positions is not None:  # a table of positions, looked up per document
             if isinstance(indices, DTensor):  # under tensor parallelism: each rank looks up every position
                 if not all(placement.is_replicate() for placement in indices.placements):
                     raise ValueError(
@@ -229,10 +276,3 @@ class DocumentMode(TorchFunctionMode):
 
 # Where a step's backward starts, under which the model may recompute its blocks.
 _BACKWARD = {Tensor.backward, torch.autograd.backward, torch.autograd.grad}
-
-
-def _counts_positions(indices: Tensor) -> bool:
-    """Whether ``indices`` are each row's positions, ``arange(length)``: a position embedding's lookup."""
-    if indices.dim() > 2 or indices.is_floating_point():
-        return False
-    return bool((indices == torch.arange(indices.size(-1), device=indices.device)).all())

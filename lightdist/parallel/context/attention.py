@@ -12,7 +12,9 @@ Two ways, as ``context_parallel_method`` picks:
 
 Both go through ``F.scaled_dot_product_attention`` and torch's collectives, so gradients flow back to the ranks that
 hold each token by autograd. A mask the model built is read first: a causal mask by position is the causal mask, a
-bias per key is gathered, and any other mask is refused.
+bias per key is gathered, and any other mask is refused. With packed documents (``lightdist.parallel.documents``),
+attention stays within each: the all-to-all's call over whole sequences is masked by the documents' mode, as one
+process's is, and the ring masks each chunk of queries by the documents of its positions and of the keys it sees.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from lightdist.parallel.context.sequences import SplitSequences
+from lightdist.parallel.documents import DocumentMasks
 from lightdist.parallel.expert_parallel import all_to_all_rows
 
 __all__ = ["ContextParallelMethod", "SplitAttention", "auto_method"]
@@ -56,6 +59,11 @@ class SplitAttention(SplitSequences):
         self.method = method
         self.attended = False
         self._masks_read: dict[int, tuple[Tensor, Tensor | None]] = {}  # the step's masks, and their bias per key
+        self.documents: DocumentMasks | None = None
+
+    def attend_within(self, documents: DocumentMasks) -> None:
+        """Attend within each of the packed ``documents`` of the step's sequences, whose positions the split sets."""
+        self.documents, documents.split = documents, self
 
     def new_step(self) -> None:
         super().new_step()
@@ -158,7 +166,8 @@ class SplitAttention(SplitSequences):
             f"context_parallel_size={self.size} splits causal attention, but the model's attention takes {given}: a "
             "mask other than causal (left padding, packed documents, sliding windows), or attention without one, "
             "cannot be split by position. Pad on the right (tokenizer.padding_side = 'right') and leave the mask to "
-            "is_causal=True, or train with context_parallel_size=1."
+            "is_causal=True (packed documents: with document_end_token, which masks them itself), or train with "
+            "context_parallel_size=1."
         )
 
     def _gathered_attention(
@@ -181,6 +190,10 @@ class SplitAttention(SplitSequences):
         for half, index in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
             end = (index + 1) * chunk
             mask = torch.ones(chunk, end, dtype=torch.bool, device=query.device).tril(end - chunk)
+            if self.documents is not None:
+                queries = torch.arange(end - chunk, end, device=query.device)
+                within = self.documents.same_document(query.size(2) * self.size, queries, end)
+                mask = mask if within is None else mask & within
             if key_bias is not None:
                 mask = torch.where(mask, key_bias.narrow(-1, 0, end), torch.finfo(key_bias.dtype).min).to(query.dtype)
             outs.append(
