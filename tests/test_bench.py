@@ -138,6 +138,7 @@ def test_documents_benchmark_times_the_causal_and_the_document_masked_step() -> 
     rows = [line.strip("|").split("|") for line in run.stdout.splitlines() if line.startswith("| ") and "ms" in line]
     assert [row[0].strip() for row in rows] == ["128", "256"]
     assert all(float(row[3]) > 0 for row in rows), run.stdout
+    assert [row[4].strip() for row in rows] == ["25.6%", "12.8%"]  # documents of 32 tokens: 4 of 128, 8 of 256
 
 
 def test_failures_benchmark_loses_a_rank_both_ways_and_counts_no_sample_missed(tmp_path: Path) -> None:

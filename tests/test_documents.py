@@ -14,11 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lightdist.models import TokenDataModule
 from lightdist.models.data import ARITHMETIC_ALPHABET, arithmetic_corpus
 from lightdist.parallel.documents import (
+    attention_per_document,
     attention_within_documents,
     check_end_token,
     document_ids,
@@ -56,6 +58,24 @@ def test_document_ids_and_positions_restart_after_each_end_token() -> None:
     ids = document_ids(tokens, end_token=12)
     assert ids.tolist() == [[0, 0, 1, 1, 1, 2, 3], [0, 0, 0, 0, 0, 0, 0]]
     assert document_positions(ids).tolist() == [[0, 1, 0, 1, 2, 0, 0], [0, 1, 2, 3, 4, 5, 6]]
+
+
+def test_attention_per_document_is_the_block_causal_mask_without_it() -> None:
+    """SDPA's causal kernel on each document's slice computes what the dense block-causal mask does, forward and
+    backward, with grouped-query heads and a scale of the model's own."""
+    torch.manual_seed(0)
+    query = torch.randn(2, 8, 64, 16, requires_grad=True)
+    key, value = (torch.randn(2, 2, 64, 16, requires_grad=True) for _ in range(2))
+    ids = document_ids(torch.tensor([[1] * 9 + [0] + [1] * 30 + [0] + [1] * 23, [1] * 64]), end_token=0)
+    causal = torch.ones(64, 64, dtype=torch.bool).tril()
+    mask = ((ids[:, :, None] == ids[:, None, :]) & causal)[:, None]
+    options = dict(scale=0.3, enable_gqa=True)
+    sliced = attention_per_document(query, key, value, [[10, 31, 23], [64]], **options)
+    dense = F.scaled_dot_product_attention(query, key, value, mask, **options)
+    torch.testing.assert_close(sliced, dense, rtol=1e-6, atol=1e-6)
+    gradients = [torch.autograd.grad(out.square().sum(), (query, key, value)) for out in (sliced, dense)]
+    for sliced_gradient, dense_gradient in zip(*gradients, strict=True):
+        torch.testing.assert_close(sliced_gradient, dense_gradient, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -191,6 +211,8 @@ CASES = {
     "zoo_litgpt_cp2_all_to_all": packed("zoo_litgpt", CP2_ALL_TO_ALL),
     # Hugging Face shifts its labels itself: windows of 32 tokens, which the model takes whole
     "zoo_hf_gpt2_labels_cp2_all_to_all": packed("zoo_hf_gpt2_labels", CP2_ALL_TO_ALL, seq_len=31),
+    # experts dealt out over the 2 data-parallel ranks: each token routed from its own document's attention
+    "moe_ep2_zero3": packed("moe_lm_only", dict(expert_parallel_size=2)),
 }
 WITHOUT_MASKS = Case(model="llama", batch_size=4)
 # Blocks in an nn.Sequential: torch's tracer cuts the stages, into graphs of aten ops the masks cannot reach.

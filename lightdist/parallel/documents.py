@@ -6,8 +6,8 @@ window of that stream holds the end of one document and the start of others. Wit
 which may recompute) runs, ``DocumentMasks`` gives the model's own calls what a document run alone would see:
 
 - ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` over the batch's sequences (nanoGPT, LitGPT, Hugging
-  Face's ``sdpa`` attention, the reference models) attends under the block-causal mask of the batch's documents: each
-  token to the tokens before it in its own document;
+  Face's ``sdpa`` attention, the reference models) attends within each document: each token to the tokens before it
+  in its own document, SDPA's causal kernel run on each document's slice alone (``attention_per_document``);
 - position embeddings looked up at ``arange`` positions (nanoGPT's ``wpe(arange(t))``, GPT-2's) are looked up at the
   positions within each document, from 0 after each end token. Rotary positions need nothing: within a document,
   attention depends on positions' differences only;
@@ -17,9 +17,10 @@ which may recompute) runs, ``DocumentMasks`` gives the model's own calls what a 
 Under a pipeline each microbatch's stages attend within its own documents (``within``); under context parallelism the
 split's attention masks by them too (``lightdist.parallel.context.attention``), and a rank's share of positions is
 looked up per document. The end token belongs to the document it ends, so the next document's first token is
-predicted from it, as without masks. SDPA takes the mask densely (a boolean per pair of positions): exact on every
-backend, and the memory of one score matrix per sequence, which FlexAttention's block masks would save at long
-sequences.
+predicted from it, as without masks. Slicing by document computes what the block-causal mask does (to rounding),
+without a mask in memory and at the cost of the documents' squared lengths, not the
+window's: on CPU, where torch 2.13's FlexAttention has no backward and its variable-length attention no kernel, it is
+the fastest exact path (``bench/documents.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from lightdist.parallel.sharding import local_tensor
 __all__ = [
     "DocumentMasks",
     "DocumentMode",
+    "attention_per_document",
     "attention_within_documents",
     "check_end_token",
     "document_ids",
@@ -96,10 +98,12 @@ class DocumentMasks:
         self.attended = 0  # attention calls given the documents' mask since the step began
         # Where context parallelism runs the model on a rank's share of each sequence: the share's positions.
         self.split: SequenceSplit | None = None
+        self._lengths: dict[int, list[list[int]]] = {}  # each row's documents' lengths, by the calls' lengths
 
     def see(self, batch: Any) -> None:
         """Take the documents of the step's ``batch`` (a step without token ids is refused)."""
         self.ids, self.attended = self._ids_of(batch), 0
+        self._lengths.clear()
 
     @contextmanager
     def within(self, part: Any) -> Iterator[None]:
@@ -110,6 +114,7 @@ class DocumentMasks:
             yield
         finally:
             self.ids = step_ids
+            self._lengths.clear()
 
     def _ids_of(self, batch: Any) -> Tensor:
         tokens = token_ids_of(batch)
@@ -151,6 +156,14 @@ class DocumentMasks:
             return None
         return self.ids[:, :length]
 
+    def lengths(self, length: int) -> list[list[int]]:
+        """The lengths of each row's documents in the first ``length`` tokens of the sequences, read once per step and
+        length (one copy from the device), for every attention call of the step."""
+        if length not in self._lengths:
+            ids = self.ids[:, :length]
+            self._lengths[length] = [torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in ids]
+        return self._lengths[length]
+
     def same_document(self, length: int, queries: Tensor, keys: int) -> Tensor | None:
         """Whether each query of a call over sequences of ``length`` tokens (its positions ``queries``) is in the
         document of each of the first ``keys`` positions, as (batch, 1, queries, keys): for attention that builds its
@@ -175,6 +188,28 @@ class DocumentMasks:
         if ids is None or not bool((indices == whole).all()):
             return None
         return document_positions(ids).index_select(1, whole)
+
+
+def attention_per_document(
+    query: Tensor, key: Tensor, value: Tensor, lengths: list[list[int]], **options: Any
+) -> Tensor:
+    """Causal attention within each document of each sequence, SDPA's causal kernel run on each document's slice of the
+    queries, keys and values (batch, heads, sequence, head dim) alone: the block-causal mask's result, without it, at
+    a cost of the sum of the documents' squared lengths rather than the sequence's, and no mask in memory.
+    ``lengths``: each sequence's documents' lengths, in order; ``options``: SDPA's (dropout_p, scale, enable_gqa)."""
+    if isinstance(query, DTensor):  # tensor parallelism's heads (attention that reshapes with global sizes)
+        if any(placement.is_shard() and placement.dim not in (0, 1) for placement in query.placements):
+            raise ValueError(
+                f"document_end_token: attention over sequences split over ranks ({query.placements}) cannot be cut "
+                "into documents. Gather the sequence before attention (sequence_parallel=False)."
+            )
+        out = attention_per_document(*(local_tensor(t) for t in (query, key, value)), lengths, **options)
+        return DTensor.from_local(out, query.device_mesh, query.placements)
+    rows = []
+    for row, counts in enumerate(lengths):
+        pieces = zip(*(t[row : row + 1].split(counts, dim=2) for t in (query, key, value)), strict=True)
+        rows.append(torch.cat([F.scaled_dot_product_attention(*qkv, is_causal=True, **options) for qkv in pieces], 2))
+    return torch.cat(rows)
 
 
 def within_documents(documents: DocumentMasks | None, part: Any) -> AbstractContextManager[None]:
@@ -256,10 +291,9 @@ class DocumentMode(TorchFunctionMode):
                 "is_causal=True) with no mask (Hugging Face models build none for a batch without padding), or train "
                 "without document_end_token."
             )
-        causal = torch.ones(ids.size(1), ids.size(1), dtype=torch.bool, device=ids.device).tril()
-        mask = (ids.unsqueeze(-1) == ids.unsqueeze(-2)) & causal
         self.documents.attended += 1
-        return F.scaled_dot_product_attention(query, key, value, mask.unsqueeze(1), dropout_p, **options)
+        lengths = self.documents.lengths(query.size(-2))
+        return attention_per_document(query, key, value, lengths, dropout_p=dropout_p, **options)
 
     def _embedding(self, indices: Tensor, weight: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         positions = self.documents.positions_of(local_tensor(indices))
