@@ -3,8 +3,9 @@ and a window of packed documents trains as the documents would alone.
 
 The windows are the arithmetic corpus's: sums of about ten tokens, each ended by a newline, so a window of 32 tokens
 packs three or four documents and the end of another. The models are third-party code as users write it: nanoGPT
-(learned positions, ``wpe(arange(t))``), LitGPT (rotary, grouped-query attention), and Hugging Face Llama, Qwen2 and
-GPT-2 (learned positions, Conv1D), each with the step that trains it in ``zoo``.
+(learned positions, ``wpe(arange(t))``; or minGPT's table sliced, ``pos_emb[:, :t, :]``), LitGPT (rotary,
+grouped-query attention), and Hugging Face Llama, Qwen2 and GPT-2 (learned positions, Conv1D), each with the step
+that trains it in ``zoo``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ from training import MODELS, WEIGHT_ATOL, Case, References, merge_stages, prepar
 pytestmark = pytest.mark.multirank
 
 NEWLINE = ARITHMETIC_ALPHABET.index("\n")  # where each sum, a document here, ends
-FAMILIES = ["zoo_nanogpt", "zoo_litgpt", "zoo_hf_llama_labels", "zoo_hf_qwen2_logits", "zoo_hf_gpt2_labels"]
+FAMILIES = [
+    "zoo_nanogpt",
+    "zoo_nanogpt_sliced_positions",  # minGPT's table of positions, sliced: self.pos_emb[:, :t, :]
+    "zoo_litgpt",
+    "zoo_hf_llama_labels",
+    "zoo_hf_qwen2_logits",
+    "zoo_hf_gpt2_labels",
+]
 
 
 def windows(rows: int = 2, length: int = 33, seed: int = 0) -> Tensor:
@@ -207,6 +215,7 @@ CASES = {
     # Each sequence split over the 2 ranks: the ring masks each chunk of queries by its documents, the all-to-all's
     # whole sequences are masked as one process's; learned positions are looked up at a rank's share's.
     "zoo_nanogpt_cp2_ring": packed("zoo_nanogpt", CP2_RING),
+    "zoo_nanogpt_sliced_positions_cp2_ring": packed("zoo_nanogpt_sliced_positions", CP2_RING),
     "llama_cp2_ring_full_checkpointing": packed("llama", dict(CP2_RING, activation_checkpointing="full")),
     "zoo_litgpt_cp2_all_to_all": packed("zoo_litgpt", CP2_ALL_TO_ALL),
     # Hugging Face shifts its labels itself: windows of 32 tokens, which the model takes whole

@@ -202,14 +202,31 @@ class GPT(nn.Module):
         return logits, loss
 
 
-class NanoGPT(LightningModule):
-    """nanoGPT's ``GPT`` as ``self.model``; the step unpacks its ``(logits, loss)``. The learning rate warms up as
-    nanoGPT's ``train.py`` warms it up."""
+class SlicedPositionsGPT(GPT):
+    """nanoGPT's ``GPT`` with the position table of minGPT's first ``model.py``: an ``nn.Parameter`` of (1, block_size,
+    n_embd) sliced by the sequence's length (``self.pos_emb[:, :t, :]``), not an embedding positions are looked up in."""
 
-    def __init__(self, learning_rate: float, warmup_steps: int, **config: Any) -> None:
+    def __init__(self, config):
+        super().__init__(config)
+        del self.transformer["wpe"]
+        self.pos_emb = nn.Parameter(torch.randn(1, config.block_size, config.n_embd) * 0.02)
+
+    def forward(self, idx, targets):
+        x = self.transformer.drop(self.transformer.wte(idx) + self.pos_emb[:, : idx.size(1), :])
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+class NanoGPT(LightningModule):
+    """nanoGPT's ``GPT`` (or ``network``, another like it) as ``self.model``; the step unpacks its ``(logits, loss)``.
+    The learning rate warms up as nanoGPT's ``train.py`` warms it up."""
+
+    def __init__(self, learning_rate: float, warmup_steps: int, network: type[GPT] = GPT, **config: Any) -> None:
         super().__init__()
         self.learning_rate, self.warmup_steps = learning_rate, warmup_steps
-        self.model = GPT(GPTConfig(**config))
+        self.model = network(GPTConfig(**config))
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()  # nanoGPT's targets.view(-1) needs them whole

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointError
@@ -254,6 +254,8 @@ class DocumentMode(TorchFunctionMode):
             return self._attention(*args, **kwargs)
         if func is F.embedding:
             return self._embedding(*args, **kwargs)
+        if func in _TABLE_READS and (rows := self._table_rows(func, args, kwargs)) is not None:
+            return rows
         if func in _BACKWARD:
             return self._backward(func, args, kwargs)
         return func(*args, **kwargs)
@@ -298,15 +300,56 @@ class DocumentMode(TorchFunctionMode):
     def _embedding(self, indices: Tensor, weight: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         positions = self.documents.positions_of(local_tensor(indices))
         if positions is not None:  # a table of positions, looked up per document
-            if isinstance(indices, DTensor):  # under tensor parallelism: each rank looks up every position
-                if not all(placement.is_replicate() for placement in indices.placements):
-                    raise ValueError(
-                        f"document_end_token: positions split over ranks ({indices.placements}) are not supported yet."
-                    )
-                positions = DTensor.from_local(positions, indices.device_mesh, indices.placements)
-            indices = positions
+            indices = _replicated_like(positions, indices)
         return F.embedding(indices, weight, *args, **kwargs)
+
+    def _table_rows(self, func: Any, args: tuple, kwargs: dict) -> Tensor | None:
+        """A learned position table's rows at the positions within their documents, where the model takes the rows of
+        its tokens' positions from an ``nn.Parameter`` of (1, positions, width): the first ``t`` (minGPT's
+        ``pos_emb[:, :t, :]``), or under context parallelism a rank's share's (``index_select``)."""
+        table = args[0]
+        if not (isinstance(table, nn.Parameter) and table.dim() == 3 and table.size(0) == 1):
+            return None
+        if func is Tensor.__getitem__:
+            length = _first_rows(args[1])
+            indices = None if length is None else torch.arange(length, device=table.device)
+        else:
+            dim, indices = (*args[1:], kwargs.get("dim"), kwargs.get("index"))[:2]
+            indices = indices if dim == 1 else None
+        positions = None if indices is None else self.documents.positions_of(indices)
+        if positions is None:
+            return None
+        return _replicated_like(F.embedding(positions, local_tensor(table)[0]), table)
 
 
 # Where a step's backward starts, under which the model may recompute its blocks.
 _BACKWARD = {Tensor.backward, torch.autograd.backward, torch.autograd.grad}
+# How a model may read a learned table of positions by rows.
+_TABLE_READS = {Tensor.__getitem__, Tensor.index_select, torch.index_select}
+
+
+def _first_rows(index: Any) -> int | None:
+    """``t``, where ``index`` takes a table's first ``t`` rows along its second dimension (``[:, :t]``)."""
+    whole = slice(None)
+    if (
+        not isinstance(index, tuple)
+        or len(index) not in (2, 3)
+        or not all(isinstance(part, slice) or part is Ellipsis for part in index)
+    ):
+        return None
+    rows = index[1]
+    if index[0] != whole or index[2:] not in ((), (whole,), (Ellipsis,)) or rows is Ellipsis:
+        return None
+    if rows.start not in (None, 0) or rows.step not in (None, 1) or not isinstance(rows.stop, int):
+        return None
+    return rows.stop
+
+
+def _replicated_like(local: Tensor, like: Tensor) -> Tensor:
+    """``local``, a tensor every rank computes whole, held as ``like`` is: a replicated DTensor where ``like`` is one
+    (tensor parallelism's)."""
+    if not isinstance(like, DTensor):
+        return local
+    if not all(placement.is_replicate() for placement in like.placements):
+        raise ValueError(f"document_end_token: positions split over ranks ({like.placements}) are not supported yet.")
+    return DTensor.from_local(local, like.device_mesh, like.placements)
