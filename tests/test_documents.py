@@ -193,12 +193,12 @@ CP2_RING = dict(context_parallel_size=2, context_parallel_method="ring")
 CP2_ALL_TO_ALL = dict(context_parallel_size=2, context_parallel_method="all_to_all")
 
 
-def packed(model: str, strategy: dict, batch_size: int = 2, seq_len: int = 32) -> Case:
-    return Case(strategy, model, batch_size=batch_size, seq_len=seq_len, document_end_token=NEWLINE)
+def packed(model: str, strategy: dict, batch_size: int = 2, seq_len: int = 32, validate: bool = False) -> Case:
+    return Case(strategy, model, batch_size=batch_size, seq_len=seq_len, validate=validate, document_end_token=NEWLINE)
 
 
 CASES = {
-    "llama_tp2": packed("llama", dict(tensor_parallel_size=2)),
+    "llama_tp2_validating": packed("llama", dict(tensor_parallel_size=2), validate=True),
     "zoo_nanogpt_tp2": packed("zoo_nanogpt", dict(tensor_parallel_size=2)),
     "zoo_hf_qwen2_logits_tp2": packed("zoo_hf_qwen2_logits", dict(tensor_parallel_size=2)),
     "zoo_litgpt_zero3_dp2_full_checkpointing": packed(
@@ -244,6 +244,7 @@ def test_document_masks_on_two_ranks_train_as_one_process(two_ranks: dict, name:
     assert len(result.losses) == CASES[name].steps
     torch.testing.assert_close(result.losses, single.losses, rtol=1e-5, atol=0)
     torch.testing.assert_close(result.grad_norms, single.grad_norms, rtol=1e-5, atol=0)
+    assert result.validated == pytest.approx(single.validated, rel=1e-5, abs=0)
     assert result.params.keys() == single.params.keys()
     for parameter, value in single.params.items():
         torch.testing.assert_close(result.params[parameter], value, rtol=1e-5, atol=WEIGHT_ATOL, msg=parameter)
@@ -255,5 +256,5 @@ def test_stages_cut_by_the_tracer_are_refused_with_the_way_out(two_ranks: dict) 
 
 
 def test_the_masks_change_what_trains() -> None:
-    masked, across = REFERENCES[CASES["llama_tp2"].reference(world_size=2)], REFERENCES[WITHOUT_MASKS]
+    masked, across = REFERENCES[CASES["llama_tp2_validating"].reference(world_size=2)], REFERENCES[WITHOUT_MASKS]
     assert masked.losses[0] != pytest.approx(across.losses[0], rel=1e-3)
