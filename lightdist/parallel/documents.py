@@ -98,12 +98,13 @@ class DocumentMasks:
         self.attended = 0  # attention calls given the documents' mask since the step began
         # Where context parallelism runs the model on a rank's share of each sequence: the share's positions.
         self.split: SequenceSplit | None = None
-        self._lengths: dict[int, list[list[int]]] = {}  # each row's documents' lengths, by the calls' lengths
+        # Each row's documents' lengths, by the calls' lengths, and the ids they were read from
+        self._lengths: dict[int, list[list[int]]] = {}
+        self._lengths_of: Tensor | None = None
 
     def see(self, batch: Any) -> None:
         """Take the documents of the step's ``batch`` (a step without token ids is refused)."""
         self.ids, self.attended = self._ids_of(batch), 0
-        self._lengths.clear()
 
     @contextmanager
     def within(self, part: Any) -> Iterator[None]:
@@ -114,7 +115,6 @@ class DocumentMasks:
             yield
         finally:
             self.ids = step_ids
-            self._lengths.clear()
 
     def _ids_of(self, batch: Any) -> Tensor:
         tokens = token_ids_of(batch)
@@ -157,8 +157,10 @@ class DocumentMasks:
         return self.ids[:, :length]
 
     def lengths(self, length: int) -> list[list[int]]:
-        """The lengths of each row's documents in the first ``length`` tokens of the sequences, read once per step and
-        length (one copy from the device), for every attention call of the step."""
+        """The lengths of each row's documents in the first ``length`` tokens of the sequences, read once per batch (or
+        part of one) and length (one copy from the device), for every attention call over them."""
+        if self._lengths_of is not self.ids:
+            self._lengths, self._lengths_of = {}, self.ids
         if length not in self._lengths:
             ids = self.ids[:, :length]
             self._lengths[length] = [torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in ids]
