@@ -21,7 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightdist.parallel.structure import DecoderStack, is_projection, out_features
 
-__all__ = ["cloned", "device_of_call", "run_first_block", "tensors_in", "trace_block_plan"]
+__all__ = ["cloned", "device_of_call", "expanded_index", "run_first_block", "tensors_in", "trace_block_plan"]
 
 _SPLITS = {torch.split, torch.chunk, Tensor.split, Tensor.chunk, torch.tensor_split, Tensor.tensor_split}
 _FUSED_BY_PARTS = {3: "qkv", 2: "gate_up"}
@@ -38,6 +38,16 @@ def cloned(value: Any) -> Any:
     """``value`` with each tensor in it cloned: a batch handed to a step that may write into it (labels masked in
     place), which must run on it again."""
     return apply_to_collection(value, Tensor, torch.clone)
+
+
+def expanded_index(index: Any, dims: int) -> tuple:
+    """``index`` as a tuple of one entry per dimension: an ``Ellipsis``, and the dimensions after the last given,
+    made whole slices."""
+    index = index if isinstance(index, tuple) else (index,)
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (dims - len(index) + 1) + index[at + 1 :]
+    return index + (slice(None),) * (dims - len(index))
 
 
 def device_of_call(args: tuple, kwargs: dict) -> torch.device:

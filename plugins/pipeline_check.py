@@ -14,7 +14,7 @@ gradients. At initialization every token's loss is alike, so a mean weighed wron
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
@@ -24,6 +24,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightdist.dataflow import cloned
+from lightdist.parallel.documents import DocumentMasks, within_documents
 from lightdist.parallel.expert_parallel import moe_blocks
 from lightdist.parallel.loss_tokens import IGNORE_INDEX
 from lightdist.parallel.pipeline.microbatches import cut_batch, examples_in
@@ -62,10 +63,9 @@ class Pipeline(Protocol):
     last_stage: int  # the pp group's rank of the last stage
     shares: Tensor  # each microbatch's share of the batch's loss
     token_weights: TokenWeights
+    documents: DocumentMasks | None  # the step's packed documents, where attention stops
 
     def __call__(self, step_name: str, batch: Any, batch_idx: int, *, train: bool) -> Tensor: ...
-
-    def within_documents(self, part: Any) -> AbstractContextManager[None]: ...
 
 
 class PipelineCheck:
@@ -104,12 +104,12 @@ class PipelineCheck:
         module, name = pipeline.module, f"{type(pipeline.module).__name__}.training_step"
         stages, examples = dist.get_world_size(pipeline.pp_group), pipeline.microbatches
         weights = [p for p in module.parameters() if p.requires_grad]
-        with pipeline.within_documents(probe):
+        with within_documents(pipeline.documents, probe):
             whole, whole_grads = _loss_and_gradients(module, probe, weights)
         weighed = torch.zeros((), device=whole.device)
         weighed_grads = [torch.zeros_like(weight) for weight in weights]
         for share, microbatch in zip(pipeline.shares, cut_batch(probe, examples), strict=True):
-            with pipeline.within_documents(microbatch):
+            with within_documents(pipeline.documents, microbatch):
                 loss, grads = _loss_and_gradients(module, microbatch, weights)
             weighed += share * loss
             for total, grad in zip(weighed_grads, grads, strict=True):

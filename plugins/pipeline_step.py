@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial, wraps
 from typing import Any, Literal
@@ -195,8 +195,8 @@ class PipelineStep:
         self.clock = StageClock(stages[0].device)
         for stage in stages:
             for compute, name in _STAGE_COMPUTE.items():
-                within_documents = self._within_microbatch_documents(getattr(stage, compute))
-                setattr(stage, compute, self.clock.timed(within_documents, f"stage {stage.stage_index} {name}"))
+                within = self._within_microbatch_documents(getattr(stage, compute))
+                setattr(stage, compute, self.clock.timed(within, f"stage {stage.stage_index} {name}"))
             stage.forward_one_chunk = self._ending_setup(stage.forward_one_chunk)
         # Whether torch's schedule is still setting up this rank's stages, before its first microbatch's forward: it
         # may run them on made-up inputs and call the loss on their made-up outputs, to learn the shapes of what flows
@@ -314,7 +314,7 @@ class PipelineStep:
             inputs = inputs if self.first else ()  # torch 2.11 takes them on the first stage only
         self.setting_up_stages = True
         try:
-            with self.within_documents(self._microbatches[0]):  # what setting up runs the stages on is its shape
+            with within_documents(self.documents, self._microbatches[0]):  # setting up runs the stages on its shape
                 return getattr(self.schedule, run)(
                     *inputs,
                     **stage_kwargs,
@@ -362,15 +362,10 @@ class PipelineStep:
             )
         return torch.zeros((), device=self.module.device)  # a validation or test step that only logs
 
-    def within_documents(self, part: Any) -> AbstractContextManager[None]:
-        """Within, the model attends within the documents of ``part`` of the step's batch, where documents are
-        given."""
-        return within_documents(self.documents, part)
-
     def _within_microbatch_documents(self, compute: Callable[..., Any]) -> Callable[..., Any]:
         @wraps(compute)
         def compute_within_documents(microbatch: int, *args: Any, **kwargs: Any) -> Any:
-            with self.within_documents(self._microbatches[microbatch]):
+            with within_documents(self.documents, self._microbatches[microbatch]):
                 return compute(microbatch, *args, **kwargs)
 
         return compute_within_documents if self.documents is not None else compute

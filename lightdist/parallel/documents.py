@@ -18,9 +18,9 @@ Under a pipeline each microbatch's stages attend within its own documents (``wit
 split's attention masks by them too (``lightdist.parallel.context.attention``), and a rank's share of positions is
 looked up per document. The end token belongs to the document it ends, so the next document's first token is
 predicted from it, as without masks. Slicing by document computes what the block-causal mask does (to rounding),
-without a mask in memory and at the cost of the documents' squared lengths, not the
-window's: on CPU, where torch 2.13's FlexAttention has no backward and its variable-length attention no kernel, it is
-the fastest exact path (``bench/documents.py``).
+without a mask in memory and at the cost of the documents' squared lengths, not the window's: on CPU, where torch
+2.13's FlexAttention has no backward and its variable-length attention no kernel, it is the fastest exact path
+(``bench/documents.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointError
 
+from lightdist.dataflow import expanded_index
 from lightdist.parallel.sharding import local_tensor
 
 __all__ = [
@@ -331,20 +332,14 @@ _TABLE_READS = {Tensor.__getitem__, Tensor.index_select, torch.index_select}
 
 
 def _first_rows(index: Any) -> int | None:
-    """``t``, where ``index`` takes a table's first ``t`` rows along its second dimension (``[:, :t]``)."""
-    whole = slice(None)
-    if (
-        not isinstance(index, tuple)
-        or len(index) not in (2, 3)
-        or not all(isinstance(part, slice) or part is Ellipsis for part in index)
-    ):
+    """``t``, where ``index`` takes a (1, positions, width) table's first ``t`` rows: ``[:, :t]``, ``[:, :t, :]``."""
+    index = expanded_index(index, 3)
+    if len(index) != 3 or not all(isinstance(part, slice) for part in index):
         return None
-    rows = index[1]
-    if index[0] != whole or index[2:] not in ((), (whole,), (Ellipsis,)) or rows is Ellipsis:
+    whole, rows = slice(None), index[1]
+    if index[0] != whole or index[2] != whole or rows.start not in (None, 0) or rows.step not in (None, 1):
         return None
-    if rows.start not in (None, 0) or rows.step not in (None, 1) or not isinstance(rows.stop, int):
-        return None
-    return rows.stop
+    return rows.stop if isinstance(rows.stop, int) else None
 
 
 def _replicated_like(local: Tensor, like: Tensor) -> Tensor:

@@ -18,9 +18,10 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
+from lightdist.dataflow import expanded_index
 from lightdist.parallel.context.attention import SplitAttention
 from lightdist.parallel.context.attention_by_hand import BY_HAND_OPS, AttentionByHand
-from lightdist.parallel.context.sequence_shard import ELEMENTWISE, SequenceShard, expanded_index, unwrapped
+from lightdist.parallel.context.sequence_shard import ELEMENTWISE, SequenceShard, unwrapped
 from lightdist.parallel.context.token_means import TokenMeans
 from lightdist.parallel.context.traced_calls import as_called, functions_of_ops
 

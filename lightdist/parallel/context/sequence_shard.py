@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightdist.dataflow import tensors_in
+from lightdist.dataflow import expanded_index, tensors_in
 from lightdist.parallel.context.sequences import SplitSequences
 from lightdist.parallel.loss_tokens import IGNORE_INDEX
 
-__all__ = ["ELEMENTWISE", "SequenceShard", "expanded_index", "unwrapped"]
+__all__ = ["ELEMENTWISE", "SequenceShard", "unwrapped"]
 
 # Ops that keep the batch and sequence dimensions as they are: on a SequenceShard, they act on the whole sequence.
 ELEMENTWISE = {
@@ -108,16 +108,6 @@ def _slices_batch_and_sequence(index: Any, dims: int) -> bool:
     index = expanded_index(index, dims)
     batch_and_sequence = isinstance(index[0], slice) and isinstance(index[1], slice | int)
     return batch_and_sequence and all(i == slice(None) for i in index[2:])
-
-
-def expanded_index(index: Any, dims: int) -> tuple:
-    """``index`` as a tuple of one entry per dimension: an ``Ellipsis``, and the dimensions after the last given,
-    made whole slices."""
-    index = index if isinstance(index, tuple) else (index,)
-    if Ellipsis in index:
-        at = index.index(Ellipsis)
-        index = index[:at] + (slice(None),) * (dims - len(index) + 1) + index[at + 1 :]
-    return index + (slice(None),) * (dims - len(index))
 
 
 def _joins_sequences(func: Any, args: tuple, kwargs: dict) -> bool:
