@@ -11,10 +11,14 @@ by Lightning's own, as users configure it, every ``--every`` steps. The faults, 
 - ``--storage-down FILE --down-steps A B``: rank 0 creates FILE as step A starts and removes it as step B starts; the
   test's storage proxy answers nothing while it exists;
 - ``--nan-at N``: the loss of step N is NaN (on every attempt: it is the data's fault), and ``non_finite="skip"``;
-- ``--wait-for-nodes-after N``: on one node, the ranks wait after step N until their agent restarts them on more
-  nodes (torchrun restarts a job when a node joins), or fail after two minutes;
+- ``--wait-for-nodes-after N``: on one node, before any other has joined, the ranks wait after step N until their
+  agent restarts them on more nodes (torchrun restarts a job when a node joins), or fail after two minutes;
 - ``LOSE_THIS_NODE_AFTER_STEP=N`` in one agent's environment: after optimizer step N, the ranks of that agent SIGKILL
   it and themselves, as a lost machine would end them.
+
+The elastic faults key on what the job has recorded, not on the attempt: a round torchrun restarts for a reason of its
+own (it picks the port of each round's store by binding and closing it, and another process may take it before rank 0
+binds it again) still waits for its node and still loses it.
 
 The ranks share a global batch of ``--global-batch`` windows of the corpus ``lightdist prepare`` made at
 ``--data-path``, streamed by range and split among the data-parallel ranks of each attempt: a job restarted on fewer
@@ -67,20 +71,25 @@ class Chaos(Callback):
             with (self.options.run / "losses.jsonl").open("a") as record:
                 step = {"step": trainer.global_step, "loss": loss, "attempt": ATTEMPT, "world_size": WORLD_SIZE}
                 record.write(json.dumps(step) + "\n")
-        if ATTEMPT > 0:
-            return
-        if trainer.global_step == self.options.wait_for_nodes_after and WORLD_SIZE == TENSOR_PARALLEL:
+        if str(trainer.global_step) == os.environ.get("LOSE_THIS_NODE_AFTER_STEP"):
+            if trainer.local_rank == 0:
+                os.kill(os.getppid(), signal.SIGKILL)  # the node's torchrun agent
+            os.kill(os.getpid(), signal.SIGKILL)
+        if trainer.global_step == self.options.wait_for_nodes_after and self.on_one_node_so_far():
             waiting_since = time.monotonic()
             while not trainer.received_sigterm:  # the agent stops its ranks with SIGTERM to restart them
                 if time.monotonic() - waiting_since > 120:
                     raise TimeoutError("no node joined in two minutes")
                 time.sleep(0.1)
-        if trainer.global_step == self.options.kill_at and trainer.global_rank == 1:
+        if trainer.global_step == self.options.kill_at and trainer.global_rank == 1 and ATTEMPT == 0:
             os.kill(os.getpid(), signal.SIGKILL)
-        if str(trainer.global_step) == os.environ.get("LOSE_THIS_NODE_AFTER_STEP"):
-            if trainer.local_rank == 0:
-                os.kill(os.getppid(), signal.SIGKILL)  # the node's torchrun agent
-            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_one_node_so_far(self) -> bool:
+        """Whether this round and every earlier one ran on one node's ranks: read from the earlier rounds' records,
+        which the ranks of a round read alike."""
+        records = (self.options.run / "losses.jsonl").read_text().splitlines()
+        sizes = {WORLD_SIZE} | {json.loads(record)["world_size"] for record in records}
+        return sizes == {TENSOR_PARALLEL}
 
 
 def newest_complete_step(url: str) -> int:
