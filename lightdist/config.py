@@ -72,6 +72,8 @@ class ParallelConfig:
         document_end_token: The token id that ends each document packed in a sequence (the tokenizer's
             ``eos_token_id``): each token attends within its own document only (``lightdist.parallel.documents``).
             ``None``: across the whole sequence.
+        mask_document_end_loss: Leave out of the step's cross-entropy what each end token predicts (the next
+            document's first token), as Megatron's ``--eod-mask-loss``; batches weigh by the targets kept.
     """
 
     zero_stage: ZeroStage = 3
@@ -91,6 +93,7 @@ class ParallelConfig:
     expert_parallel_size: int = 1
     context_parallel_method: ContextParallelMethod = "auto"
     document_end_token: int | None = None
+    mask_document_end_loss: bool = False
 
     def __post_init__(self) -> None:
         """Refuse what cannot run, when the options are given: before any process or tensor exists."""
@@ -142,6 +145,11 @@ class ParallelConfig:
                 "embedding operators, which lightdist cannot confine to each document. Cut stages by structure "
                 "(pipeline_tracer=False), or train without document_end_token."
             )
+        if self.mask_document_end_loss and end is None:
+            raise ValueError(
+                "mask_document_end_loss=True leaves out what each document's end token predicts, but no "
+                "document_end_token is set. Set document_end_token to the tokenizer's eos_token_id."
+            )
         if self.cpu_offload and self.zero_stage < 2:
             raise ValueError(
                 f"cpu_offload=True needs sharded parameters and gradients, but zero_stage={self.zero_stage}. "
@@ -192,4 +200,5 @@ class ParallelConfig:
             "cpu_offload": self.cpu_offload,
             "compile": self.compile,
             "document_end_token": self.document_end_token,
+            "mask_document_end_loss": self.mask_document_end_loss,
         }

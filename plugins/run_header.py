@@ -79,10 +79,13 @@ def run_header(
         split.append(f"{run['activation_checkpointing']} activation checkpointing")
     if run["document_end_token"] is not None:
         split.append(f"attention within each document (ended by token {run['document_end_token']})")
+        if run["mask_document_end_loss"]:
+            split.append("what each end token predicts left out of the loss")
     if split:
         lines.append("  " + ", ".join(split))
     if layout.dp > 1 or trainer.accumulate_grad_batches > 1:  # where batches weigh against each other
-        lines.append("  " + weighing_rule(module, run["loss_weighting"], cp=layout.cp))
+        masked = run["mask_document_end_loss"]
+        lines.append("  " + weighing_rule(module, run["loss_weighting"], cp=layout.cp, end_loss_masked=masked))
     lines += _memory(estimate, why_not) + _destinations(trainer, strategy)
     return "\n".join(lines)
 

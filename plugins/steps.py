@@ -20,6 +20,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
+from lightdist.config import ParallelConfig
 from lightdist.parallel.context import ContextParallel, check_split_step, parameters_of, probe_prefix, tolerance
 from lightdist.parallel.documents import DocumentMasks, check_end_token, within_documents
 from lightdist.parallel.loss_parallel import vocab_parallel_cross_entropy
@@ -36,9 +37,9 @@ class Steps:
         context_parallel: Splits each sequence of a step's batch over its ranks, where given.
         pipelined: Whether a pipeline's schedule runs the steps (it runs backward and reduces gradients itself).
         traced: Whether the pipeline's stages were traced, from a rank's share of a batch: they run no other shape.
-        loss_parallel: Whether the step's cross-entropy takes logits split by vocabulary.
-        compute_dtype: What the step computes in, which bounds the rounding a check of the split allows.
-        document_end_token: The token that ends each document of a step's batch, where attention stops.
+        config: How the model is split and run: loss parallelism (where ``tensor_parallel``), the compute dtype
+            (which bounds the rounding a check of the split allows), the documents' end token and whether what it
+            predicts is left out of the loss.
     """
 
     def __init__(
@@ -50,19 +51,21 @@ class Steps:
         context_parallel: ContextParallel | None,
         pipelined: bool,
         traced: bool,
-        loss_parallel: bool,
-        compute_dtype: torch.dtype,
-        document_end_token: int | None = None,
+        config: ParallelConfig,
+        tensor_parallel: bool,
     ) -> None:
         self.module, self.model, self.token_weights = module, model, token_weights
         self.documents = None
-        if document_end_token is not None:
-            check_end_token(document_end_token, module.trainer.datamodule)
-            self.documents = DocumentMasks(document_end_token)
+        if config.document_end_token is not None:
+            check_end_token(config.document_end_token, module.trainer.datamodule)
+            self.documents = DocumentMasks(config.document_end_token, config.mask_document_end_loss)
             if context_parallel is not None:
                 context_parallel.attend_within(self.documents)
-        self.context_parallel, self.pipelined, self.loss_parallel = context_parallel, pipelined, loss_parallel
-        self._rtol = tolerance(compute_dtype)
+        if config.mask_document_end_loss:
+            token_weights.countable = True  # the step's cross-entropy counts the targets it keeps
+        self.context_parallel, self.pipelined = context_parallel, pipelined
+        self.loss_parallel = config.loss_parallel and tensor_parallel
+        self._rtol = tolerance(config.param_dtype or torch.float32)
         checked = context_parallel is not None and not traced  # traced stages take a rank's share alone
         self._unchecked = {"training_step", "validation_step", "test_step"} if checked else set()
         self._gradient_sync = True
@@ -77,9 +80,16 @@ class Steps:
                 self._check(name, step, batch)
             batch = self.context_parallel.shard_batch(batch)
         with self.loss_context():
-            output = self.token_weights.step(name, batch, partial(step, batch))
+            output = self.token_weights.step(name, batch, partial(self._counted, name, step, batch))
         if self.documents is not None:
             self.documents.check_attended()
+        return output
+
+    def _counted(self, name: str, step: Callable[[Any], Any], batch: Any) -> Any:
+        """``step`` on ``batch``, its tokens counted where the documents' loss leaves some out."""
+        output = step(batch)
+        if self.documents is not None and self.documents.mask_end_loss:
+            self.token_weights.count(self.documents.loss_tokens(name))
         return output
 
     def loss_context(self, *, split: bool = True) -> ExitStack:

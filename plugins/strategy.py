@@ -13,7 +13,6 @@ from contextlib import AbstractContextManager
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -66,8 +65,8 @@ class ParallelStrategy(CheckpointingStrategy):
             ``lightdist plan``'s estimates pick the fastest sizes that fit in memory (``docs/planner.md``).
         zero_stage, data_parallel_replicas, pipeline_schedule, virtual_stages, microbatches, pipeline_split,
         pipeline_tracer, activation_checkpointing, sequence_parallel, loss_parallel, cpu_offload, tp_plan, compile,
-        expert_parallel_size, context_parallel_method, document_end_token: How the model is split and run
-            (``ParallelConfig`` documents each).
+        expert_parallel_size, context_parallel_method, document_end_token, mask_document_end_loss: How the model is
+            split and run (``ParallelConfig`` documents each).
         context_parallel_size: Ranks that split each sequence, attention still over all of it (``context_parallel``).
         pretrained, pretrained_prefix: A Hugging Face checkpoint (a path or fsspec URL, or a ``PretrainedWeights``)
             the split model is filled from, each rank reading its shards' bytes, named as the parameters under
@@ -110,6 +109,7 @@ class ParallelStrategy(CheckpointingStrategy):
         context_parallel_size: int = 1,
         context_parallel_method: ContextParallelMethod = "auto",
         document_end_token: int | None = None,
+        mask_document_end_loss: bool = False,
         async_checkpoint: AsyncMode | None = "process",
         pretrained: str | PretrainedWeights | None = None,
         pretrained_prefix: str = "",
@@ -139,6 +139,7 @@ class ParallelStrategy(CheckpointingStrategy):
             expert_parallel_size=expert_parallel_size,
             context_parallel_method=context_parallel_method,
             document_end_token=document_end_token,
+            mask_document_end_loss=mask_document_end_loss,
         )
         validate_options(
             sizes, config, async_checkpoint, storage_options, loss_weighting, non_finite, collective_timeout
@@ -218,9 +219,8 @@ class ParallelStrategy(CheckpointingStrategy):
             context_parallel=self.context_parallel,
             pipelined=bool(self._parallelized.stages),
             traced=self._parallelized.traced_input is not None,
-            loss_parallel=config.loss_parallel and self.layout.tp > 1,
-            compute_dtype=config.param_dtype or torch.float32,
-            document_end_token=config.document_end_token,
+            config=config,
+            tensor_parallel=self.layout.tp > 1,
         )
         if self._parallelized.stages:
             self.pipeline_step = pipeline_step_over(

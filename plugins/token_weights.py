@@ -208,15 +208,18 @@ class TokenWeights:
 
 def _countable(module: LightningModule, *, split: bool) -> bool:
     """Whether a step's tokens can be counted: from a Hugging Face model's labels, the module's ``loss_tokens``, or
-    where sequences are ``split``, the step's mean over tokens (``token_means``)."""
+    where sequences are ``split`` or the step's cross-entropy leaves out the documents' ends, the step's mean over
+    tokens (``token_means``, ``lightdist.parallel.documents``)."""
     return hasattr(module, "loss_tokens") or any(is_causal_lm(model) for model in module.modules()) or split
 
 
-def weighing_rule(module: LightningModule, weighing: LossWeighting, *, cp: int) -> str:
+def weighing_rule(module: LightningModule, weighing: LossWeighting, *, cp: int, end_loss_masked: bool = False) -> str:
     """How ``module``'s batches weigh against each other, across data-parallel ranks and an accumulation: the line a
     run's header says it in."""
     if weighing == "batches":
         return "batches weigh alike, each its own mean, as Lightning's (loss_weighting='batches')"
+    if end_loss_masked:
+        return "batches weigh by the targets their cross-entropy keeps, the end tokens' predictions left out"
     if not _countable(module, split=cp > 1):
         return "batches weigh alike, as Lightning's: the step's tokens are not counted (loss_tokens(batch) counts them)"
     return "batches weigh by their labelled tokens, as one process's mean over the global batch does"

@@ -110,6 +110,7 @@ def test_main_job_config_trains_3d_and_saves_every_ranks_shard(tmp_path: Path) -
         "cpu_offload": False,
         "compile": False,
         "document_end_token": None,  # attention across the whole window
+        "mask_document_end_loss": False,
         "loss_weighting": "tokens",
         "non_finite": None,
         "precision": "32-true",

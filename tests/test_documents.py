@@ -21,6 +21,7 @@ from torch import Tensor
 from lightdist.models import TokenDataModule
 from lightdist.models.data import ARITHMETIC_ALPHABET, arithmetic_corpus
 from lightdist.parallel.documents import (
+    DocumentMasks,
     attention_per_document,
     attention_within_documents,
     check_end_token,
@@ -54,6 +55,13 @@ def documents_of(window: Tensor) -> list[Tensor]:
     (the next document's first, as in the packed window)."""
     starts = [0] + [int(end) + 1 for end in (window[:-2] == NEWLINE).nonzero().flatten()]
     return [window[start : stop + 1] for start, stop in zip(starts, [*starts[1:], len(window) - 1], strict=True)]
+
+
+def documents_alone(window: Tensor) -> list[Tensor]:
+    """A window cut into its documents, each ended by its end token: what each trains on alone once the end tokens'
+    predictions are left out of the loss (the window's last, unended, runs to the window's end)."""
+    starts = [int(end) + 1 for end in (window[:-1] == NEWLINE).nonzero().flatten()]
+    return [piece for piece in window.tensor_split(starts) if len(piece) > 1]
 
 
 def step_loss(module, batch: Tensor) -> Tensor:
@@ -113,6 +121,49 @@ def test_a_packed_window_trains_as_its_documents_alone(family: str) -> None:
     for packed_gradient, alone_gradient in zip(packed_gradients, gradients_of(alone), strict=True):
         torch.testing.assert_close(packed_gradient, alone_gradient, rtol=1e-4, atol=1e-6)
     assert (step_loss(module, batch) - alone).abs() > 1e-3  # attention across documents trains otherwise
+
+
+@pytest.mark.parametrize("family", ["zoo_nanogpt", "zoo_hf_llama_labels", "zoo_hf_qwen2_logits"])
+def test_without_the_end_tokens_predictions_a_packed_window_trains_as_its_documents_alone(family: str) -> None:
+    """With ``mask_end_loss`` the loss leaves out what each end token predicts (Megatron's ``--eod-mask-loss``): a
+    packed window's loss and gradients are those of its documents alone, each on its own tokens only, weighed by
+    their targets and summed; the count of targets kept is what batches weigh by."""
+    torch.manual_seed(0)
+    module = MODELS[family](learning_rate=1e-3, warmup_steps=1).eval()
+    batch = windows()
+    with attention_within_documents(batch, NEWLINE, mask_end_loss=True) as documents:
+        packed = step_loss(module, batch)
+    packed_gradients = torch.autograd.grad(packed, list(module.parameters()))
+    pieces = [piece for window in batch for piece in documents_alone(window)]
+    kept = sum(len(piece) - 1 for piece in pieces)
+    assert documents.loss_counts == [kept] and kept < batch.numel() - len(batch)
+    alone = sum(step_loss(module, piece[None]) * (len(piece) - 1) / kept for piece in pieces)
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=0)
+    for packed_gradient, alone_gradient in zip(
+        packed_gradients, torch.autograd.grad(alone, list(module.parameters())), strict=True
+    ):
+        torch.testing.assert_close(packed_gradient, alone_gradient, rtol=1e-4, atol=1e-6)
+
+
+def test_a_loss_whose_end_predictions_cannot_be_told_is_refused() -> None:
+    """A mean other than over the targets, targets that are not the inputs' next tokens, and a training step with no
+    cross-entropy over them: each refused, naming the way out."""
+    batch = windows()
+    logits = torch.randn(2, 32, len(ARITHMETIC_ALPHABET))
+    documents = DocumentMasks(NEWLINE, mask_end_loss=True)
+    documents.see(batch)
+    with documents.active():
+        with pytest.raises(ValueError, match="another mean than one over its targets"):
+            F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
+        with pytest.raises(ValueError, match="does not take its inputs' next tokens"):
+            F.cross_entropy(logits.flatten(0, 1), batch[:, :-1].flatten())
+        with pytest.raises(ValueError, match=r"training_step computed 0 of them, not one"):
+            documents.loss_tokens("training_step")
+        assert documents.loss_tokens("validation_step") is None  # a validation step may compute no loss
+        F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        with pytest.raises(ValueError, match=r"validation_step computed 2 of them, not one"):
+            documents.loss_tokens("validation_step")
 
 
 @pytest.mark.parametrize("family", ["zoo_nanogpt", "zoo_hf_llama_labels"])
@@ -179,6 +230,9 @@ def test_an_end_token_other_than_the_corpus_one_is_refused(tmp_path: Path) -> No
         (dict(document_end_token=-1), "must be a token id"),
         (dict(document_end_token=NEWLINE, pipeline_parallel_size=2, pipeline_tracer=True), "pipeline_tracer=True"),
         (dict(document_end_token=NEWLINE, compile=True), "compile=True is not supported yet"),
+        (dict(mask_document_end_loss=True), "no document_end_token is set"),
+        (dict(document_end_token=NEWLINE, mask_document_end_loss=True, pipeline_parallel_size=2), "not supported yet"),
+        (dict(document_end_token=NEWLINE, mask_document_end_loss=True, context_parallel_size=2), "not supported yet"),
     ],
 )
 def test_layouts_not_shown_yet_are_refused_as_the_strategy_is_built(options: dict, refusal: str) -> None:
@@ -222,6 +276,23 @@ CASES = {
     "zoo_hf_gpt2_labels_cp2_all_to_all": packed("zoo_hf_gpt2_labels", CP2_ALL_TO_ALL, seq_len=31),
     # experts dealt out over the 2 data-parallel ranks: each token routed from its own document's attention
     "moe_ep2_zero3": packed("moe_lm_only", dict(expert_parallel_size=2)),
+    # What each end token predicts left out of the loss: the ranks' batches, and an accumulation's, keep different
+    # numbers of targets, and weigh by them; under tensor parallelism, a loss over logits split by vocabulary.
+    "zoo_nanogpt_zero3_dp2_end_loss_masked_accumulate": Case(
+        dict(zero_stage=3),
+        "zoo_nanogpt",
+        batch_size=2,
+        accumulate_grad_batches=2,
+        document_end_token=NEWLINE,
+        mask_document_end_loss=True,
+    ),
+    "zoo_hf_llama_labels_tp2_loss_parallel_end_loss_masked": Case(
+        dict(tensor_parallel_size=2, loss_parallel=True),
+        "zoo_hf_llama_labels",
+        batch_size=2,
+        document_end_token=NEWLINE,
+        mask_document_end_loss=True,
+    ),
 }
 WITHOUT_MASKS = Case(model="llama", batch_size=4)
 # Blocks in an nn.Sequential: torch's tracer cuts the stages, into graphs of aten ops the masks cannot reach.
@@ -241,7 +312,7 @@ def two_ranks() -> dict[str, object]:
 def test_document_masks_on_two_ranks_train_as_one_process(two_ranks: dict, name: str) -> None:
     result, single = two_ranks[name], REFERENCES[CASES[name].reference(world_size=2)]
     assert not result.error and not single.error, result.error or single.error
-    assert len(result.losses) == CASES[name].steps
+    assert len(result.losses) == CASES[name].steps * CASES[name].accumulate_grad_batches
     torch.testing.assert_close(result.losses, single.losses, rtol=1e-5, atol=0)
     torch.testing.assert_close(result.grad_norms, single.grad_norms, rtol=1e-5, atol=0)
     assert result.validated == pytest.approx(single.validated, rel=1e-5, abs=0)

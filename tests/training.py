@@ -447,6 +447,7 @@ class Case:
     sampled_as_ranks: int | None = None
     # Attention within each document the token ends; the single process too, as lightdist on one rank
     document_end_token: int | None = None
+    mask_document_end_loss: bool = False  # with it, what each end token predicts left out of the loss
 
     def reference(self, world_size: int) -> Case:
         """The single-process run that must produce the same numbers as this one on ``world_size`` ranks."""
@@ -471,6 +472,7 @@ class Case:
             data=self.data,
             sampled_as_ranks=data_parallel_size if self.data in LoaderBatches.FORMS else None,
             document_end_token=self.document_end_token,
+            mask_document_end_loss=self.mask_document_end_loss,
         )
 
 
@@ -616,11 +618,8 @@ def train(
             synthetic_tokens=65_536,
         )
     result = Result()
-    strategy = (
-        case.strategy
-        if case.document_end_token is None
-        else {**(case.strategy or {}), "document_end_token": case.document_end_token}
-    )
+    documents = dict(document_end_token=case.document_end_token, mask_document_end_loss=case.mask_document_end_loss)
+    strategy = case.strategy if case.document_end_token is None else {**(case.strategy or {}), **documents}
     trainer = Trainer(
         accelerator=case.accelerator,
         devices=devices,

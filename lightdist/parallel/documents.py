@@ -17,14 +17,17 @@ which may recompute) runs, ``DocumentMasks`` gives the model's own calls what a 
 Under a pipeline each microbatch's stages attend within its own documents (``within``); under context parallelism the
 split's attention masks by them too (``lightdist.parallel.context.attention``), and a rank's share of positions is
 looked up per document. The end token belongs to the document it ends, so the next document's first token is
-predicted from it, as without masks. Slicing by document computes what the block-causal mask does (to rounding),
-without a mask in memory and at the cost of the documents' squared lengths, not the window's: on CPU, where torch
-2.13's FlexAttention has no backward and its variable-length attention no kernel, it is the fastest exact path
+predicted from it, as without masks; with ``mask_end_loss`` that prediction is left out of the step's cross-entropy
+(Megatron's ``--eod-mask-loss``), and the targets it keeps are counted, which the loss's weight across ranks and
+batches needs (``plugins/token_weights.py``). Slicing by document computes what the block-causal mask does (to
+rounding), without a mask in memory and at the cost of the documents' squared lengths, not the window's: on CPU, where
+torch 2.13's FlexAttention has no backward and its variable-length attention no kernel, it is the fastest exact path
 (``bench/documents.py``).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Protocol
@@ -93,10 +96,12 @@ class SequenceSplit(Protocol):
 class DocumentMasks:
     """The documents of each step's batch, ended by ``end_token``, and the mode that confines attention to them."""
 
-    def __init__(self, end_token: int) -> None:
-        self.end_token = end_token
-        self.ids: Tensor | None = None  # (batch, sequence) of the step's token ids
+    def __init__(self, end_token: int, mask_end_loss: bool = False) -> None:
+        self.end_token, self.mask_end_loss = end_token, mask_end_loss
+        self.tokens: Tensor | None = None  # (batch, sequence) of the step's token ids
+        self.ids: Tensor | None = None  # (batch, sequence): each token's document, from ``tokens``
         self.attended = 0  # attention calls given the documents' mask since the step began
+        self.loss_counts: list[Tensor] = []  # the targets each cross-entropy of the step kept, with ``mask_end_loss``
         # Where context parallelism runs the model on a rank's share of each sequence: the share's positions.
         self.split: SequenceSplit | None = None
         # Each row's documents' lengths, by the calls' lengths, and the ids they were read from
@@ -105,19 +110,22 @@ class DocumentMasks:
 
     def see(self, batch: Any) -> None:
         """Take the documents of the step's ``batch`` (a step without token ids is refused)."""
-        self.ids, self.attended = self._ids_of(batch), 0
+        self.tokens, self.ids = self._documents_of(batch)
+        self.attended, self.loss_counts = 0, []
 
     @contextmanager
     def within(self, part: Any) -> Iterator[None]:
         """Within, attention over the documents of ``part`` of the step's batch (a pipeline's microbatch, the
         examples a check runs), which the model is called on in place of the batch; the batch's after."""
-        step_ids, self.ids = self.ids, self._ids_of(part)
+        step = self.tokens, self.ids
+        self.tokens, self.ids = self._documents_of(part)
         try:
             yield
         finally:
-            self.ids = step_ids
+            self.tokens, self.ids = step
 
-    def _ids_of(self, batch: Any) -> Tensor:
+    def _documents_of(self, batch: Any) -> tuple[Tensor, Tensor]:
+        """The token ids of ``batch`` and each one's document."""
         tokens = token_ids_of(batch)
         if tokens is None:
             raise ValueError(
@@ -126,7 +134,8 @@ class DocumentMasks:
                 "ids, or train without document_end_token."
             )
         # A batch split by context parallelism stands for its whole sequences: theirs are the documents.
-        return document_ids(tokens.as_subclass(Tensor), self.end_token)
+        tokens = tokens.as_subclass(Tensor)
+        return tokens, document_ids(tokens, self.end_token)
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -144,6 +153,47 @@ class DocumentMasks:
                 "models with attn_implementation='sdpa'; in your own attention, call "
                 "F.scaled_dot_product_attention(q, k, v, is_causal=True); or train without document_end_token."
             )
+
+    def loss_tokens(self, step_name: str) -> Tensor | None:
+        """The targets the step's one cross-entropy kept once the end tokens' predictions were left out, which its
+        mean is over; ``None`` without ``mask_end_loss``. A training step must compute one such mean: with none, what
+        it trains on would still hold those predictions; with several, which is the loss is not known."""
+        if not self.mask_end_loss:
+            return None
+        if len(self.loss_counts) == 1:
+            return self.loss_counts[0]
+        if step_name == "training_step" or self.loss_counts:
+            raise ValueError(
+                f"mask_document_end_loss=True leaves the end tokens' predictions out of the step's cross-entropy over "
+                f"its batch's next tokens, but {step_name} computed {len(self.loss_counts)} of them, not one. Compute "
+                "the loss with one F.cross_entropy (or nll_loss) whose targets are the batch's tokens shifted by one "
+                "(Hugging Face models called with labels= do), or train with mask_document_end_loss=False."
+            )
+        return None
+
+    def end_predictions(self, target: Tensor, ignore_index: int) -> Tensor | None:
+        """Where ``target``, the class indices of a loss over the step's sequences ((batch, length) or flattened), is
+        predicted from an end token: the target whose input is one. ``None`` for targets of other sequences; targets
+        that are not the inputs' next tokens are refused, as lightdist cannot tell which follow an end token."""
+        if self.tokens is None or target.is_floating_point() or target.dim() not in (1, 2):
+            return None
+        rows, length = self.tokens.shape
+        over_the_rows = target.size(0) == rows if target.dim() == 2 else target.numel() % rows == 0
+        if not over_the_rows:
+            return None
+        targets = target.reshape(rows, -1)
+        if targets.size(1) > length:
+            return None
+        compared = min(targets.size(1), length - 1)  # the last input's target may lie beyond the batch's tokens
+        labelled = targets[:, :compared] != ignore_index
+        if not torch.equal(targets[:, :compared][labelled], self.tokens[:, 1 : compared + 1][labelled]):
+            raise ValueError(
+                f"mask_document_end_loss=True: the step's cross-entropy over {tuple(target.shape)} targets does not "
+                "take its inputs' next tokens (labels shifted by one, or windows[:, 1:]), so lightdist cannot tell "
+                "which are predicted from an end token. Pass the targets in the order of the batch's tokens, or train "
+                "with mask_document_end_loss=False."
+            )
+        return (self.tokens[:, : targets.size(1)] == self.end_token).reshape(target.shape)
 
     def ids_for(self, length: int, rows: int | None = None) -> Tensor | None:
         """The document ids of a call over ``rows`` sequences (any, where ``None``) of ``length`` tokens: the
@@ -233,10 +283,11 @@ def check_end_token(end_token: int, data: Any) -> None:
 
 
 @contextmanager
-def attention_within_documents(tokens: Tensor, end_token: int) -> Iterator[DocumentMasks]:
-    """Run a model on ``tokens`` (or its inputs ``tokens[:, :-1]``) with attention confined to each document, as
-    the strategy's ``document_end_token`` does for every step: for a model used outside a Trainer."""
-    documents = DocumentMasks(end_token)
+def attention_within_documents(tokens: Tensor, end_token: int, mask_end_loss: bool = False) -> Iterator[DocumentMasks]:
+    """Run a model on ``tokens`` (or its inputs ``tokens[:, :-1]``) with attention confined to each document, and
+    with ``mask_end_loss`` the end tokens' predictions left out of its cross-entropy, as the strategy's
+    ``document_end_token`` and ``mask_document_end_loss`` do for every step: for a model used outside a Trainer."""
+    documents = DocumentMasks(end_token, mask_end_loss)
     documents.see(tokens)
     with documents.active():
         yield documents
@@ -261,7 +312,30 @@ class DocumentMode(TorchFunctionMode):
             return rows
         if func in _BACKWARD:
             return self._backward(func, args, kwargs)
+        if func in _LOSSES and self.documents.mask_end_loss:
+            return self._loss_without_end_predictions(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _loss_without_end_predictions(self, loss: Any, args: tuple, kwargs: dict) -> Tensor:
+        """``loss`` (cross-entropy, NLL) with each target predicted from an end token ignored, as Megatron's
+        ``--eod-mask-loss`` leaves it out; its mean, over the targets it keeps, is counted."""
+        call = inspect.signature(loss).bind(*args, **kwargs)
+        call.apply_defaults()
+        target, ignore_index = call.arguments["target"], call.arguments["ignore_index"]
+        ends = self.documents.end_predictions(local_tensor(target), ignore_index)
+        if ends is None:
+            return loss(*args, **kwargs)
+        options = {name: call.arguments[name] for name in ("weight", "size_average", "reduce", "reduction")}
+        if options != {"weight": None, "size_average": None, "reduce": None, "reduction": "mean"}:
+            raise ValueError(
+                f"mask_document_end_loss=True counts the targets the step's cross-entropy averages over, but it is "
+                f"called with {options}: another mean than one over its targets. Call it with its default mean "
+                "(no weight, reduction='mean'), or train with mask_document_end_loss=False."
+            )
+        kept = local_tensor(target).masked_fill(ends, ignore_index)
+        self.documents.loss_counts.append((kept != ignore_index).sum())
+        call.arguments["target"] = _replicated_like(kept, target)
+        return loss(*call.args, **call.kwargs)
 
     def _backward(self, backward: Any, args: tuple, kwargs: dict) -> Any:
         try:
@@ -325,6 +399,8 @@ class DocumentMode(TorchFunctionMode):
         return _replicated_like(F.embedding(positions, local_tensor(table)[0]), table)
 
 
+# The losses whose targets ``mask_end_loss`` reads.
+_LOSSES = {F.cross_entropy, F.nll_loss}
 # Where a step's backward starts, under which the model may recompute its blocks.
 _BACKWARD = {Tensor.backward, torch.autograd.backward, torch.autograd.grad}
 # How a model may read a learned table of positions by rows.

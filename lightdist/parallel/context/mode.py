@@ -72,7 +72,9 @@ class ContextParallelMode(TorchFunctionMode):
             elif func in _MIXING_POSITIONS and self._mixes_a_share(func, args, kwargs):
                 raise self._mixing_refused(func, args[0])
             elif (func in BY_HAND_OPS and (out := self.by_hand(func, args, kwargs)) is not NotImplemented) or (
-                func in TokenMeans.OPS and (out := self.token_means(func, args, kwargs)) is not NotImplemented
+                func in TokenMeans.OPS
+                and not torch.compiler.is_compiling()  # a step's means are outside the blocks lightdist compiles
+                and (out := self.token_means(func, args, kwargs)) is not NotImplemented
             ):
                 return out
             if positions is not None:
