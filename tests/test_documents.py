@@ -286,6 +286,15 @@ CASES = {
         document_end_token=NEWLINE,
         mask_document_end_loss=True,
     ),
+    # (x, y) pairs as a TensorDataset yields them: the documents read from the inputs
+    "zoo_nanogpt_pairs_zero2_dp2_end_loss_masked": Case(
+        dict(zero_stage=2),
+        "zoo_nanogpt_pairs",
+        batch_size=2,
+        data="pairs",
+        document_end_token=NEWLINE,
+        mask_document_end_loss=True,
+    ),
     "zoo_hf_llama_labels_tp2_loss_parallel_end_loss_masked": Case(
         dict(tensor_parallel_size=2, loss_parallel=True),
         "zoo_hf_llama_labels",

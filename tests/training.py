@@ -634,6 +634,8 @@ def train(
         limit_val_batches=8,
         val_check_interval=case.val_check_interval,
         num_sanity_val_steps=0,
+        # A single process that draws the ranks' order itself: on lightdist's one rank too, no sampler of Lightning's
+        use_distributed_sampler=case.sampled_as_ranks is None,
         callbacks=[TrainingMonitor(log_every_n_steps=1), _RecordLosses(result), _CountValidationWindows(), *callbacks],
         logger=logger,
         log_every_n_steps=1,
