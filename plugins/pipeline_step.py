@@ -186,6 +186,7 @@ class PipelineStep:
         self._step_for_input: Callable[..., Any] | None = None  # the step run only to learn the model's input
         self._microbatches: list[Any] = []  # the step's batch, cut
         self.shares = torch.ones(microbatches) / microbatches  # each microbatch's share of the batch's loss
+        self._targets_kept: list[Tensor] = []  # each microbatch's, counted before the schedule (mask_end_loss)
         self._microbatch = 0  # the microbatch whose loss the step computes now
         self._logged: dict[str, list] = defaultdict(list)
         self._logged_metrics: dict[str, str] = {}  # logged name -> module path of the torchmetrics metric logged
@@ -251,11 +252,36 @@ class PipelineStep:
         loss = (
             torch.stack([loss.detach() for loss in losses]).sum() / self._loss_scale if self.last else torch.zeros(())
         )
-        loss = loss.to(self.module.device).float()
-        dist.broadcast(loss, group_src=self.last_stage, group=self.pp_group)
+        miscounted = self._miscounted_targets(train) if self.last else None
+        flag = torch.tensor(float(miscounted is not None), device=self.module.device)
+        verdict = torch.stack([loss.to(self.module.device).float(), flag])
+        dist.broadcast(verdict, group_src=self.last_stage, group=self.pp_group)  # with the loss, no extra collective
+        if verdict[1] > 0:  # every stage raises the last one's error
+            message = [miscounted]
+            dist.broadcast_object_list(message, group_src=self.last_stage, group=self.pp_group)
+            raise ValueError(message[0])
+        loss = verdict[0]
         updated = [name for name, metric in self.metrics.items() if metric.update_count != updates[name]]
         self._share_logs_and_metrics(updated)
         return loss
+
+    def _miscounted_targets(self, train: bool) -> str | None:
+        """Where the end tokens' predictions are left out of the loss: why the targets each microbatch's cross-entropy
+        kept are not those counted before the schedule ran, which weighed the microbatches (``None`` where they are,
+        or where an evaluation step computed no cross-entropy)."""
+        if self.documents is None or not self.documents.mask_end_loss:
+            return None
+        kept = [int(count) for count in self.documents.loss_counts]
+        counted = [int(count) for count in self._targets_kept]
+        if kept == counted or (not train and not kept):
+            return None
+        return (
+            f"mask_document_end_loss=True under a pipeline: the step's cross-entropy kept {kept} targets of the "
+            f"microbatches, but lightdist counted {counted} before the schedule ran, from their tokens (each but the "
+            "last, the next one its target) and their batch's labels where it has them, to weigh each microbatch's "
+            "loss. Feed windows of tokens, or a mapping with input_ids and labels, or train with "
+            "mask_document_end_loss=False."
+        )
 
     def predict(self, batch: Any, batch_idx: int) -> Any:
         """The user's ``predict_step`` given the whole batch's output, which the forward-only schedule computed;
@@ -297,6 +323,7 @@ class PipelineStep:
         tokens = [
             self._loss_tokens(microbatch, call) for microbatch, call in zip(self._microbatches, calls, strict=True)
         ]
+        self._targets_kept = tokens
         self.shares = shares(tokens, self.module.device)
         self.token_weights.count(None if any(count is None for count in tokens) else sum(tokens))
         if train:
@@ -349,6 +376,7 @@ class PipelineStep:
         with (
             self.clock.timing("busy"),
             self._calling_user_step(lambda *args, **kwargs: whole, leave_no_trace=self.setting_up_stages),
+            within_documents(self.documents, self._microbatches[int(microbatch)]),
         ):
             self._microbatch = int(microbatch)
             result = self._step(self._microbatches[self._microbatch])
@@ -373,14 +401,19 @@ class PipelineStep:
     def _ending_setup(self, forward_one_chunk: Callable[..., Any]) -> Callable[..., Any]:
         @wraps(forward_one_chunk)
         def forward_of_a_microbatch(*args: Any, **kwargs: Any) -> Any:
+            if self.setting_up_stages and self.documents is not None:
+                self.documents.loss_counts.clear()  # the setup's losses of made-up outputs
             self.setting_up_stages = False
             return forward_one_chunk(*args, **kwargs)
 
         return forward_of_a_microbatch
 
     def _loss_tokens(self, microbatch: Any, call: ModelCall) -> Tensor | int | None:
-        """The tokens the step's loss on ``microbatch`` averages over: the module's own ``loss_tokens(batch)`` where it
-        has one, else those a Hugging Face causal LM called with ``labels=`` counts; ``None`` where neither tells."""
+        """The tokens the step's loss on ``microbatch`` averages over: with the end tokens' predictions left out, the
+        targets kept (checked against the loss's own count as it runs); the module's own ``loss_tokens(batch)`` where it
+        has one, else those a Hugging Face causal LM called with ``labels=`` counts; ``None`` where none tells."""
+        if self.documents is not None and self.documents.mask_end_loss:
+            return self.documents.targets_kept(microbatch)
         own = getattr(self.module, "loss_tokens", None)
         if own is not None:
             return own(microbatch)

@@ -86,9 +86,10 @@ class Steps:
         return output
 
     def _counted(self, name: str, step: Callable[[Any], Any], batch: Any) -> Any:
-        """``step`` on ``batch``, its tokens counted where the documents' loss leaves some out."""
+        """``step`` on ``batch``, its tokens counted where the documents' loss leaves some out (a pipeline counts its
+        microbatches' itself)."""
         output = step(batch)
-        if self.documents is not None and self.documents.mask_end_loss:
+        if self.documents is not None and self.documents.mask_end_loss and not self.pipelined:
             self.token_weights.count(self.documents.loss_tokens(name))
         return output
 

@@ -40,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointError
 
 from lightdist.dataflow import expanded_index
+from lightdist.parallel.loss_tokens import IGNORE_INDEX
 from lightdist.parallel.sharding import local_tensor
 
 __all__ = [
@@ -170,6 +171,17 @@ class DocumentMasks:
                 "(Hugging Face models called with labels= do), or train with mask_document_end_loss=False."
             )
         return None
+
+    def targets_kept(self, part: Any) -> Tensor:
+        """The targets a loss over the next tokens of ``part`` (a pipeline's microbatch) keeps once the end tokens'
+        predictions are left out, counted before the loss runs: those of every position but the last whose token is
+        not an end token and, where ``part`` holds ``labels`` as long as its tokens, whose next label is not -100."""
+        tokens, _ = self._documents_of(part)
+        kept = tokens[:, :-1] != self.end_token
+        labels = part.get("labels") if isinstance(part, Mapping) else None
+        if isinstance(labels, Tensor) and labels.shape == tokens.shape:
+            kept &= labels[:, 1:] != IGNORE_INDEX
+        return kept.sum()
 
     def end_predictions(self, target: Tensor, ignore_index: int) -> Tensor | None:
         """Where ``target``, the class indices of a loss over the step's sequences ((batch, length) or flattened), is
