@@ -13,8 +13,13 @@ loss, which each size computes alike. Each rank sends, per block and step:
                                                                              again, with their gradients, in backward)
     all-to-all:  8 x (cp - 1) / cp x tokens / cp x width x bytes            (q, k, v and the output, forward and back)
 
+With ``--document N`` the sequence packs documents of N tokens (``document_end_token``: attention within each), and
+the last column says how even the ranks' work is: the slowest rank's step over the fastest's (torchtitan balances the
+ring by documents for it; lightdist's ring masks each rank's causal half, whatever the documents).
+
     python bench/context_parallel.py                        # 4k, 8k and 16k tokens; cp 1, 2 and 4
     python bench/context_parallel.py --lengths 4096 --sizes 1 2 --repeats 1
+    python bench/context_parallel.py --lengths 8192 16384 --sizes 2 --document 128
     python bench/context_parallel.py --device cuda --precision bf16-mixed --dim 2048 --heads 16 --layers 4 \
         --lengths 16384 65536 --sizes 1 2
 """
@@ -26,7 +31,7 @@ import queue
 import statistics
 import time
 import traceback
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 
 import torch
@@ -39,8 +44,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lightdist.models.llama import LlamaConfig, LlamaModel
 from lightdist.parallel.context import ContextParallel
+from lightdist.parallel.documents import DocumentMasks
 
 METHODS = ("ring", "all_to_all")
+END = 0  # the token that ends each document, with --document
 
 
 def build(args: argparse.Namespace, device: torch.device) -> LlamaModel:
@@ -57,9 +64,12 @@ def build(args: argparse.Namespace, device: torch.device) -> LlamaModel:
     return LlamaModel(config).to(device)
 
 
-def step(model: LlamaModel, windows: Tensor, cp: ContextParallel | None, bf16: bool) -> tuple[float, int, int, float]:
-    """One forward and backward: its seconds, the activation bytes the forward kept, the peak bytes allocated above
-    what was before (on a GPU), and the loss over the whole sequence."""
+def step(
+    model: LlamaModel, windows: Tensor, cp: ContextParallel | None, bf16: bool, documents: DocumentMasks | None
+) -> tuple[float, int, int, float]:
+    """One forward and backward (within the ``documents`` of ``windows``, where given): its seconds, the activation
+    bytes the forward kept, the peak bytes allocated above what was before (on a GPU), and the loss over the whole
+    sequence."""
     weights = {parameter.data_ptr() for parameter in model.parameters()}
     saved = 0
 
@@ -79,9 +89,11 @@ def step(model: LlamaModel, windows: Tensor, cp: ContextParallel | None, bf16: b
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
     start = time.perf_counter()
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor), split(cp):
+    if documents is not None:
+        documents.see(windows)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor), split(cp, documents):
         loss = loss_of(windows if cp is None else cp.shard_batch(windows))
-    with split(cp):
+    with split(cp, documents):
         loss.backward()
     if on_gpu:
         torch.cuda.synchronize()
@@ -95,8 +107,13 @@ def step(model: LlamaModel, windows: Tensor, cp: ContextParallel | None, bf16: b
     return seconds, saved, peak, loss.item()
 
 
-def split(cp: ContextParallel | None) -> AbstractContextManager:
-    return cp.active() if cp is not None else nullcontext()
+def split(cp: ContextParallel | None, documents: DocumentMasks | None) -> ExitStack:
+    """Attention within the ``documents`` (where given), then the split's, as lightdist's steps enter them."""
+    stack = ExitStack()
+    for context in (documents, cp):
+        if context is not None:
+            stack.enter_context(context.active())
+    return stack
 
 
 def measure(rank: int, size: int, port: int, args: argparse.Namespace, results) -> None:
@@ -106,26 +123,37 @@ def measure(rank: int, size: int, port: int, args: argparse.Namespace, results) 
         dist.init_process_group("gloo", timeout=timedelta(seconds=300))
         mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("cp",))["cp"]
     model = build(args, device)
+    bf16 = args.precision == "bf16-mixed"
     for seq_len in args.lengths:
-        windows = torch.randint(0, 256, (1, seq_len + 1), generator=torch.Generator().manual_seed(seq_len))
+        windows = torch.randint(1, 256, (1, seq_len + 1), generator=torch.Generator().manual_seed(seq_len))
+        if args.document:
+            windows[:, args.document - 1 :: args.document] = END
         windows = windows.to(device)
         for method in METHODS if size > 1 else ("none",):
             cp = ContextParallel(mesh, method, model) if size > 1 else None
+            documents = DocumentMasks(END) if args.document else None
+            if cp is not None and documents is not None:
+                cp.attend_within(documents)
             try:
-                step(model, windows[:, : 2 * 4 * size + 1], cp, args.precision == "bf16-mixed")  # warm-up
-                runs = [step(model, windows, cp, args.precision == "bf16-mixed") for _ in range(args.repeats)]
+                step(model, windows[:, : 2 * 4 * size + 1], cp, bf16, documents)  # warm-up
+                runs = [step(model, windows, cp, bf16, documents) for _ in range(args.repeats)]
             except torch.OutOfMemoryError:
                 model.zero_grad(set_to_none=True)
                 torch.cuda.empty_cache()
                 runs, error = [], "out of memory"
             except Exception:  # the row says what failed, and the next ones still run
                 runs, error = [], traceback.format_exc()
+            seconds = statistics.median(run[0] for run in runs) if runs else 0.0
+            ranks_seconds = [seconds]
+            if size > 1:
+                ranks_seconds = [None] * size
+                dist.all_gather_object(ranks_seconds, seconds)
             if rank == 0:
                 if runs:
-                    seconds = statistics.median(run[0] for run in runs)
-                    results.put((seq_len, size, method, seconds, *runs[0][1:], ""))
+                    spread = max(ranks_seconds) / min(ranks_seconds)
+                    results.put((seq_len, size, method, seconds, *runs[0][1:], spread, ""))
                 else:
-                    results.put((seq_len, size, method, 0.0, 0, 0, 0.0, error))
+                    results.put((seq_len, size, method, 0.0, 0, 0, 0.0, 0.0, error))
     if size > 1:
         dist.destroy_process_group()
 
@@ -140,6 +168,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--document", type=int, help="tokens per packed document, its end token included")
     parser.add_argument("--size-timeout", type=float, default=600.0, help="seconds for all lengths at one size")
     args = parser.parse_args()
     context = mp.get_context("spawn")
@@ -166,16 +195,20 @@ def main() -> None:
             elif process.exitcode:
                 print(f"cp={size}: a rank failed (exit code {process.exitcode})")
     one_rank = {seq_len: saved for seq_len, size, _, _, saved, *_ in rows if size == 1 and saved}
-    print(f"{args.device}, {args.precision}, width {args.dim}, {args.heads} heads, {args.layers} blocks")
-    print("| tokens | cp | attention | step (s) | activations per rank (MiB) | x one rank's | peak (MiB) | loss |")
-    print("|---|---|---|---|---|---|---|---|")
-    for seq_len, size, method, seconds, saved, peak, loss, error in sorted(rows):
+    packing = f", documents of {args.document} tokens" if args.document else ""
+    print(f"{args.device}, {args.precision}, width {args.dim}, {args.heads} heads, {args.layers} blocks{packing}")
+    print(
+        "| tokens | cp | attention | step (s) | activations per rank (MiB) | x one rank's | peak (MiB) | loss | "
+        "slowest rank / fastest |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for seq_len, size, method, seconds, saved, peak, loss, spread, error in sorted(rows):
         if error:
-            print(f"| {seq_len} | {size} | {method} | {error.strip().splitlines()[-1]} | | | | |")
+            print(f"| {seq_len} | {size} | {method} | {error.strip().splitlines()[-1]} | | | | | |")
             continue
         share = f"{saved / one_rank[seq_len]:.2f}" if seq_len in one_rank else ""
         peak_mib = f"{peak / 2**20:.0f}" if peak else ""
-        figures = f"{seconds:.3f} | {saved / 2**20:.1f} | {share} | {peak_mib} | {loss:.6f}"
+        figures = f"{seconds:.3f} | {saved / 2**20:.1f} | {share} | {peak_mib} | {loss:.6f} | {spread:.2f}"
         print(f"| {seq_len} | {size} | {method} | {figures} |")
     for *_, error in rows:
         if error and error != "out of memory":

@@ -116,18 +116,21 @@ def test_data_benchmark_tokenizes_each_way_and_loads_from_disk_and_s3(tmp_path: 
     assert all(rates[way] > 0 for way in ways), run.stdout
 
 
-def test_context_parallel_benchmark_times_each_size_and_method(tmp_path: Path) -> None:
+@pytest.mark.parametrize("packing", [[], ["--document", "32"]], ids=["one_document", "documents_of_32"])
+def test_context_parallel_benchmark_times_each_size_and_method(tmp_path: Path, packing: list[str]) -> None:
     bench = BENCH.parent / "context_parallel.py"
-    options = ["--lengths", "256", "--sizes", "1", "2", "--repeats", "1"]
+    options = ["--lengths", "256", "--sizes", "1", "2", "--repeats", "1", *packing]
     run = subprocess.run(
         [sys.executable, str(bench), *options], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [line.strip("|").split("|") for line in run.stdout.splitlines() if line.startswith("| 256 ")]
     assert [(row[1].strip(), row[2].strip()) for row in rows] == [("1", "none"), ("2", "all_to_all"), ("2", "ring")]
-    # Each rank of two keeps about half of one rank's activations, and the sequence's loss is one rank's.
+    # Each rank of two keeps about half of one rank's activations, and the sequence's loss is one rank's (within
+    # each document too); the last column compares the ranks' step times.
     assert all(0.4 < float(row[5]) < 0.6 for row in rows[1:]), run.stdout
     assert len({row[7] for row in rows}) == 1, run.stdout
+    assert all(float(row[8]) >= 1.0 for row in rows), run.stdout
 
 
 def test_documents_benchmark_times_the_causal_and_the_document_masked_step() -> None:
