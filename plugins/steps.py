@@ -88,8 +88,11 @@ class Steps:
     def _counted(self, name: str, step: Callable[[Any], Any], batch: Any) -> Any:
         """``step`` on ``batch``, its tokens counted where the documents' loss leaves some out (a pipeline counts its
         microbatches' itself)."""
+        counting = self.documents is not None and self.documents.mask_end_loss and not self.pipelined
+        if counting:
+            self.documents.loss_counts.clear()  # a check runs the step twice, whole and split
         output = step(batch)
-        if self.documents is not None and self.documents.mask_end_loss and not self.pipelined:
+        if counting:
             self.token_weights.count(self.documents.loss_tokens(name))
         return output
 
@@ -126,7 +129,7 @@ class Steps:
         metrics' states and the gradients as they were found."""
 
         def counted(batch: Any) -> tuple[Tensor | None, Tensor | int | None]:
-            output, tokens = self.token_weights.counted(batch, partial(step, batch))
+            output, tokens = self.token_weights.counted(batch, partial(self._counted, name, step, batch))
             return _loss_in(output), tokens
 
         trains = name == "training_step" and self.module.automatic_optimization

@@ -231,7 +231,15 @@ def test_an_end_token_other_than_the_corpus_one_is_refused(tmp_path: Path) -> No
         (dict(document_end_token=NEWLINE, pipeline_parallel_size=2, pipeline_tracer=True), "pipeline_tracer=True"),
         (dict(document_end_token=NEWLINE, compile=True), "compile=True is not supported yet"),
         (dict(mask_document_end_loss=True), "no document_end_token is set"),
-        (dict(document_end_token=NEWLINE, mask_document_end_loss=True, context_parallel_size=2), "not supported yet"),
+        (
+            dict(
+                document_end_token=NEWLINE,
+                mask_document_end_loss=True,
+                pipeline_parallel_size=2,
+                context_parallel_size=2,
+            ),
+            "not supported yet",
+        ),
     ],
 )
 def test_layouts_not_shown_yet_are_refused_as_the_strategy_is_built(options: dict, refusal: str) -> None:
@@ -308,6 +316,19 @@ CASES = {
         "zoo_hf_llama_labels",
         batch_size=4,
         accumulate_grad_batches=2,
+        document_end_token=NEWLINE,
+        mask_document_end_loss=True,
+    ),
+    # Each sequence split over the 2 ranks: each rank's share of the targets, masked at the positions it holds, and
+    # weighed by what it keeps
+    "zoo_nanogpt_cp2_all_to_all_end_loss_masked": Case(
+        CP2_ALL_TO_ALL, "zoo_nanogpt", batch_size=2, document_end_token=NEWLINE, mask_document_end_loss=True
+    ),
+    "zoo_hf_llama_labels_cp2_ring_end_loss_masked": Case(
+        CP2_RING,
+        "zoo_hf_llama_labels",
+        batch_size=2,
+        seq_len=31,
         document_end_token=NEWLINE,
         mask_document_end_loss=True,
     ),

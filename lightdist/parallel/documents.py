@@ -184,9 +184,10 @@ class DocumentMasks:
         return kept.sum()
 
     def end_predictions(self, target: Tensor, ignore_index: int) -> Tensor | None:
-        """Where ``target``, the class indices of a loss over the step's sequences ((batch, length) or flattened), is
-        predicted from an end token: the target whose input is one. ``None`` for targets of other sequences; targets
-        that are not the inputs' next tokens are refused, as lightdist cannot tell which follow an end token."""
+        """Where ``target``, the class indices of a loss over the step's sequences ((batch, length) or flattened; under
+        context parallelism a rank's share of them), is predicted from an end token: the target whose input is one.
+        ``None`` for targets of other sequences; targets that are not the inputs' next tokens are refused, as lightdist
+        cannot tell which follow an end token."""
         if self.tokens is None or target.is_floating_point() or target.dim() not in (1, 2):
             return None
         rows, length = self.tokens.shape
@@ -194,18 +195,22 @@ class DocumentMasks:
         if not over_the_rows:
             return None
         targets = target.reshape(rows, -1)
-        if targets.size(1) > length:
+        positions = torch.arange(targets.size(1), device=targets.device)  # of the targets' inputs
+        if self.split is not None and targets.size(1) in self.split.local_lengths:
+            positions = self.split.positions(targets.size(1), targets.device)
+        if int(positions.max()) >= length:
             return None
-        compared = min(targets.size(1), length - 1)  # the last input's target may lie beyond the batch's tokens
-        labelled = targets[:, :compared] != ignore_index
-        if not torch.equal(targets[:, :compared][labelled], self.tokens[:, 1 : compared + 1][labelled]):
+        inputs, following = self.tokens.index_select(1, positions), positions + 1 < length
+        labelled = (targets != ignore_index) & following  # the last input's target may lie beyond the batch's tokens
+        nexts = self.tokens.index_select(1, (positions + 1).clamp(max=length - 1))
+        if not torch.equal(targets[labelled], nexts[labelled]):
             raise ValueError(
                 f"mask_document_end_loss=True: the step's cross-entropy over {tuple(target.shape)} targets does not "
                 "take its inputs' next tokens (labels shifted by one, or windows[:, 1:]), so lightdist cannot tell "
                 "which are predicted from an end token. Pass the targets in the order of the batch's tokens, or train "
                 "with mask_document_end_loss=False."
             )
-        return (self.tokens[:, : targets.size(1)] == self.end_token).reshape(target.shape)
+        return (inputs == self.end_token).reshape(target.shape)
 
     def ids_for(self, length: int, rows: int | None = None) -> Tensor | None:
         """The document ids of a call over ``rows`` sequences (any, where ``None``) of ``length`` tokens: the
@@ -334,7 +339,8 @@ class DocumentMode(TorchFunctionMode):
         call = inspect.signature(loss).bind(*args, **kwargs)
         call.apply_defaults()
         target, ignore_index = call.arguments["target"], call.arguments["ignore_index"]
-        ends = self.documents.end_predictions(local_tensor(target), ignore_index)
+        target = local_tensor(target).as_subclass(Tensor)  # a rank's share of the targets, under context parallelism
+        ends = self.documents.end_predictions(target, ignore_index)
         if ends is None:
             return loss(*args, **kwargs)
         options = {name: call.arguments[name] for name in ("weight", "size_average", "reduce", "reduction")}
@@ -344,9 +350,9 @@ class DocumentMode(TorchFunctionMode):
                 f"called with {options}: another mean than one over its targets. Call it with its default mean "
                 "(no weight, reduction='mean'), or train with mask_document_end_loss=False."
             )
-        kept = local_tensor(target).masked_fill(ends, ignore_index)
+        kept = target.masked_fill(ends, ignore_index)
         self.documents.loss_counts.append((kept != ignore_index).sum())
-        call.arguments["target"] = _replicated_like(kept, target)
+        call.arguments["target"] = _replicated_like(kept, call.arguments["target"])
         return loss(*call.args, **call.kwargs)
 
     def _backward(self, backward: Any, args: tuple, kwargs: dict) -> Any:
