@@ -303,6 +303,15 @@ CASES = {
         "zoo_nanogpt_pp2_cp2_ring_documents": Case(
             strategy=dict(PP2, **CP2_RING), model="zoo_nanogpt", document_end_token=NEWLINE
         ),
+        # what each end token predicts left out of the loss: pipelined microbatches, and data-parallel ranks, weighed
+        # by the targets they keep
+        "zoo_nanogpt_pp2_dp2_documents_end_loss_masked_accumulate": Case(
+            strategy=PP2,
+            model="zoo_nanogpt",
+            accumulate_grad_batches=2,
+            document_end_token=NEWLINE,
+            mask_document_end_loss=True,
+        ),
         "zoo_hf_qwen2_logits_cp2_tp2_documents": Case(
             strategy=dict(CP2, **TP2), model="zoo_hf_qwen2_logits", document_end_token=NEWLINE
         ),
