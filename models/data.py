@@ -24,8 +24,6 @@ from lightdist.data.vocabulary import check_vocabulary
 __all__ = ["ARITHMETIC_ALPHABET", "TokenDataModule", "TokenWindows", "arithmetic_corpus"]
 
 ARITHMETIC_ALPHABET = "0123456789+=\n"
-_ARITHMETIC_IDS = np.zeros(128, dtype=np.uint16)  # by ASCII code
-_ARITHMETIC_IDS[[ord(ch) for ch in ARITHMETIC_ALPHABET]] = np.arange(len(ARITHMETIC_ALPHABET))
 
 
 def arithmetic_corpus(num_tokens: int, *, seed: int = 0) -> np.ndarray:
@@ -33,9 +31,15 @@ def arithmetic_corpus(num_tokens: int, *, seed: int = 0) -> np.ndarray:
 
     The sums are deterministic given the operands, so a model's loss visibly falls as it learns to add.
     """
-    operands = np.random.default_rng(seed).integers(0, 1000, size=(num_tokens // 6 + 1, 2))  # lines of 6+ tokens
-    text = "".join(f"{a}+{b}={a + b}\n" for a, b in operands.tolist())
-    return _ARITHMETIC_IDS[np.frombuffer(text.encode("ascii"), dtype=np.uint8)][:num_tokens]
+    rng = np.random.default_rng(seed)
+    lookup = {ch: i for i, ch in enumerate(ARITHMETIC_ALPHABET)}
+    pieces, total = [], 0
+    while total < num_tokens:
+        a, b = rng.integers(0, 1000, size=2)
+        line = [lookup[ch] for ch in f"{a}+{b}={a + b}\n"]
+        pieces.append(line)
+        total += len(line)
+    return np.fromiter((t for line in pieces for t in line), dtype=np.uint16)[:num_tokens]
 
 
 class TokenWindows(Dataset):
