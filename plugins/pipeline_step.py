@@ -186,7 +186,7 @@ class PipelineStep:
         self._step_for_input: Callable[..., Any] | None = None  # the step run only to learn the model's input
         self._microbatches: list[Any] = []  # the step's batch, cut
         self.shares = torch.ones(microbatches) / microbatches  # each microbatch's share of the batch's loss
-        self._targets_kept: list[Tensor] = []  # each microbatch's, counted before the schedule (mask_end_loss)
+        self._tokens: list[Tensor | int | None] = []  # each microbatch's loss tokens, counted before the schedule
         self._microbatch = 0  # the microbatch whose loss the step computes now
         self._logged: dict[str, list] = defaultdict(list)
         self._logged_metrics: dict[str, str] = {}  # logged name -> module path of the torchmetrics metric logged
@@ -252,27 +252,33 @@ class PipelineStep:
         loss = (
             torch.stack([loss.detach() for loss in losses]).sum() / self._loss_scale if self.last else torch.zeros(())
         )
-        miscounted = self._miscounted_targets(train) if self.last else None
-        flag = torch.tensor(float(miscounted is not None), device=self.module.device)
-        verdict = torch.stack([loss.to(self.module.device).float(), flag])
-        dist.broadcast(verdict, group_src=self.last_stage, group=self.pp_group)  # with the loss, no extra collective
-        if verdict[1] > 0:  # every stage raises the last one's error
-            message = [miscounted]
-            dist.broadcast_object_list(message, group_src=self.last_stage, group=self.pp_group)
-            raise ValueError(message[0])
-        loss = verdict[0]
+        loss = self._shared_loss(loss.to(self.module.device).float(), train)
         updated = [name for name, metric in self.metrics.items() if metric.update_count != updates[name]]
         self._share_logs_and_metrics(updated)
         return loss
 
-    def _miscounted_targets(self, train: bool) -> str | None:
-        """Where the end tokens' predictions are left out of the loss: why the targets each microbatch's cross-entropy
-        kept are not those counted before the schedule ran, which weighed the microbatches (``None`` where they are,
-        or where an evaluation step computed no cross-entropy)."""
+    def _shared_loss(self, loss: Tensor, train: bool) -> Tensor:
+        """The last stage's ``loss``, on every stage. Where the end tokens' predictions are left out of the loss, the
+        last stage's check of the microbatches' counts travels with it (no extra collective, no wait on the device
+        otherwise), and every stage raises its error."""
         if self.documents is None or not self.documents.mask_end_loss:
-            return None
+            dist.broadcast(loss, group_src=self.last_stage, group=self.pp_group)
+            return loss
+        miscounted = self._miscounted_targets(train) if self.last else None
+        verdict = torch.stack([loss, torch.tensor(float(miscounted is not None), device=loss.device)])
+        dist.broadcast(verdict, group_src=self.last_stage, group=self.pp_group)
+        if verdict[1] > 0:
+            message = [miscounted]
+            dist.broadcast_object_list(message, group_src=self.last_stage, group=self.pp_group)
+            raise ValueError(message[0])
+        return verdict[0]
+
+    def _miscounted_targets(self, train: bool) -> str | None:
+        """Why the targets each microbatch's cross-entropy kept, the end tokens' predictions left out, are not those
+        counted before the schedule ran, which weighed the microbatches (``None`` where they are, or where an
+        evaluation step computed no cross-entropy)."""
         kept = [int(count) for count in self.documents.loss_counts]
-        counted = [int(count) for count in self._targets_kept]
+        counted = [int(count) for count in self._tokens]
         if kept == counted or (not train and not kept):
             return None
         return (
@@ -323,7 +329,7 @@ class PipelineStep:
         tokens = [
             self._loss_tokens(microbatch, call) for microbatch, call in zip(self._microbatches, calls, strict=True)
         ]
-        self._targets_kept = tokens
+        self._tokens = tokens
         self.shares = shares(tokens, self.module.device)
         self.token_weights.count(None if any(count is None for count in tokens) else sum(tokens))
         if train:

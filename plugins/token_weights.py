@@ -208,8 +208,8 @@ class TokenWeights:
 
 def _countable(module: LightningModule, *, split: bool) -> bool:
     """Whether a step's tokens can be counted: from a Hugging Face model's labels, the module's ``loss_tokens``, or
-    where sequences are ``split`` or the step's cross-entropy leaves out the documents' ends, the step's mean over
-    tokens (``token_means``, ``lightdist.parallel.documents``)."""
+    where sequences are ``split``, the step's mean over tokens (``token_means``). A step whose cross-entropy leaves out
+    the documents' ends is counted too: ``Steps`` marks its weights countable."""
     return hasattr(module, "loss_tokens") or any(is_causal_lm(model) for model in module.modules()) or split
 
 
