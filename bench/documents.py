@@ -8,6 +8,7 @@ of the causal mask's beside the step times.
 
     python bench/documents.py                                  # 1k to 16k tokens on CPU
     python bench/documents.py --device cuda --lengths 4096 16384 65536
+    python bench/documents.py --compile                        # each block compiled, as compile=True does
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from context_parallel import build
 
 from lightdist.models.llama import LlamaModel
 from lightdist.parallel.documents import attention_within_documents
+from lightdist.parallel.structure import find_repeated_blocks
 
 END = 0  # the token that ends each document
 
@@ -60,10 +62,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--compile", action="store_true", help="compile each block (the warm-up step compiles)")
     args = parser.parse_args()
     device = torch.device(args.device)
     model = build(args, device)  # the context-parallel benchmark's Llama, of the same options
-    print(f"documents of {args.document} tokens; {args.layers} blocks, width {args.dim}, {args.heads} heads, {device}")
+    for name in find_repeated_blocks(model) if args.compile else []:
+        model.get_submodule(name).compile()
+    blocks = f"{args.layers} blocks{', compiled' if args.compile else ''}"
+    print(f"documents of {args.document} tokens; {blocks}, width {args.dim}, {args.heads} heads, {device}")
     print("| tokens | causal step | step within documents | ratio | scores computed |")
     print("|---|---|---|---|---|")
     for length in args.lengths:

@@ -134,11 +134,6 @@ class ParallelConfig:
         end = self.document_end_token
         if end is not None and (isinstance(end, bool) or not isinstance(end, int) or end < 0):
             raise ValueError(f"document_end_token={end!r} must be a token id (the tokenizer's eos_token_id).")
-        if end is not None and self.compile:
-            raise ValueError(
-                f"document_end_token={end} with compile=True is not supported yet: lightdist confines attention to "
-                "each document in eager blocks. Choose one: compile=False, or no document_end_token."
-            )
         if end is not None and self.pipeline_tracer:
             raise ValueError(
                 f"document_end_token={end} with pipeline_tracer=True: traced stages call torch's own attention and "

@@ -20,14 +20,16 @@ from torch import Tensor
 
 from lightdist.models import TokenDataModule
 from lightdist.models.data import ARITHMETIC_ALPHABET, arithmetic_corpus
+from lightdist.parallel.document_attention import attention_per_document
 from lightdist.parallel.documents import (
     DocumentMasks,
-    attention_per_document,
     attention_within_documents,
     check_end_token,
     document_ids,
     document_positions,
 )
+from lightdist.parallel.kv_cache import without_kv_cache_in_training
+from lightdist.parallel.structure import find_repeated_blocks
 from lightdist.plugins import ParallelStrategy
 
 from multirank import run_ranks
@@ -111,7 +113,7 @@ def test_a_packed_window_trains_as_its_documents_alone(family: str) -> None:
     with attention_within_documents(batch, NEWLINE) as documents:
         packed = step_loss(module, batch)
     packed_gradients = gradients_of(packed)
-    assert documents.attended > 0
+    assert documents.attended
     alone = sum(
         step_loss(module, piece[None]) * (len(piece) - 1) / (targets * len(batch))
         for window in batch
@@ -185,6 +187,65 @@ def test_no_token_sees_another_document(family: str) -> None:
     assert (logits(changed, masked=False) - logits(batch, masked=False)).abs().max() > 1e-3
 
 
+def compile_blocks(module: torch.nn.Module) -> list[torch.fx.GraphModule]:
+    """Compile each block as ``compile=True`` does, with a backend that runs and keeps each graph dynamo hands it (in
+    place of inductor, whose builds the runs on two ranks below pay)."""
+    graphs = []
+
+    def keep(graph: torch.fx.GraphModule, inputs: list) -> object:
+        graphs.append(graph)
+        return graph.forward
+
+    for name in find_repeated_blocks(module):
+        without_kv_cache_in_training(module.get_submodule(name))
+        module.get_submodule(name).compile(backend=keep)
+    return graphs
+
+
+@pytest.mark.parametrize("family", ["zoo_nanogpt", "zoo_hf_llama_labels"])
+def test_compiled_blocks_attend_within_documents_in_one_graph_for_every_batch(family: str) -> None:
+    """Each block compiled, as ``compile=True`` does: the step's loss and gradients are the eager step's, and one graph
+    serves every block and a batch whose documents have other lengths."""
+    torch.manual_seed(0)
+    module = MODELS[family](learning_rate=1e-3, warmup_steps=1).eval()
+
+    def step(batch: Tensor) -> tuple[Tensor, list[Tensor]]:
+        module.zero_grad(set_to_none=True)
+        with attention_within_documents(batch, NEWLINE):
+            loss = step_loss(module, batch)
+            loss.backward()
+        return loss.detach(), [parameter.grad.clone() for parameter in module.parameters()]
+
+    eager_loss, eager_gradients = step(windows())
+    graphs = compile_blocks(module)
+    compiled_loss, compiled_gradients = step(windows())
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-6, atol=0)
+    for compiled_gradient, eager_gradient in zip(compiled_gradients, eager_gradients, strict=True):
+        torch.testing.assert_close(compiled_gradient, eager_gradient, rtol=1e-5, atol=1e-7)
+    other = windows(seed=1)
+    assert document_ids(other, NEWLINE).tolist() != document_ids(windows(), NEWLINE).tolist()
+    step(other)
+    assert len(graphs) == 1
+
+
+def test_compiled_blocks_whose_attention_drops_out_attend_within_documents_between_their_graphs() -> None:
+    """Dropout in attention: the one op's backward would draw other masks as it runs the forward again, so the
+    attention runs eagerly between the block's graphs, with the step's own draws; no batch compiles anew."""
+    module = MODELS["zoo_nanogpt"](learning_rate=1e-3, warmup_steps=1, dropout=0.1).train()
+
+    def step_loss_within_documents(batch: Tensor) -> Tensor:
+        torch.manual_seed(0)
+        with attention_within_documents(batch, NEWLINE):
+            return step_loss(module, batch)
+
+    eager = step_loss_within_documents(windows())
+    graphs = compile_blocks(module)
+    torch.testing.assert_close(step_loss_within_documents(windows()), eager, rtol=1e-6, atol=0)
+    compiled = len(graphs)
+    step_loss_within_documents(windows(seed=1))
+    assert compiled > 0 and len(graphs) == compiled
+
+
 def test_attention_the_masks_cannot_reach_is_refused_with_the_way_out() -> None:
     batch = windows()
     lecture = MODELS["zoo_nanogpt_slow_attention"](learning_rate=1e-3, warmup_steps=1)  # q @ k.T, tril, softmax
@@ -229,7 +290,6 @@ def test_an_end_token_other_than_the_corpus_one_is_refused(tmp_path: Path) -> No
     [
         (dict(document_end_token=-1), "must be a token id"),
         (dict(document_end_token=NEWLINE, pipeline_parallel_size=2, pipeline_tracer=True), "pipeline_tracer=True"),
-        (dict(document_end_token=NEWLINE, compile=True), "compile=True is not supported yet"),
         (dict(mask_document_end_loss=True), "no document_end_token is set"),
         (
             dict(
@@ -262,6 +322,8 @@ CASES = {
     "llama_tp2_validating": packed("llama", dict(tensor_parallel_size=2), validate=True),
     "zoo_nanogpt_tp2": packed("zoo_nanogpt", dict(tensor_parallel_size=2)),
     "zoo_hf_qwen2_logits_tp2": packed("zoo_hf_qwen2_logits", dict(tensor_parallel_size=2)),
+    # each block compiled: its attention within documents one op in the block's graph, on tensor parallelism's heads
+    "zoo_hf_llama_labels_tp2_compiled": packed("zoo_hf_llama_labels", dict(tensor_parallel_size=2, compile=True)),
     "zoo_litgpt_zero3_dp2_full_checkpointing": packed(
         "zoo_litgpt", dict(zero_stage=3, activation_checkpointing="full")
     ),

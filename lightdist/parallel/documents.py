@@ -19,10 +19,10 @@ split's attention masks by them too (``lightdist.parallel.context.attention``), 
 looked up per document. The end token belongs to the document it ends, so the next document's first token is
 predicted from it, as without masks; with ``mask_end_loss`` that prediction is left out of the step's cross-entropy
 (Megatron's ``--eod-mask-loss``), and the targets it keeps are counted, which the loss's weight across ranks and
-batches needs (``plugins/token_weights.py``). Slicing by document computes what the block-causal mask does (to
-rounding), without a mask in memory and at the cost of the documents' squared lengths, not the window's: on CPU, where
+batches needs (``plugins/token_weights.py``). Slicing by document (``document_attention``) computes what the
+block-causal mask does, without a mask in memory and at the cost of the documents' squared lengths: on CPU, where
 torch 2.13's FlexAttention has no backward and its variable-length attention no kernel, it is the fastest exact path
-(``bench/documents.py``).
+(``bench/documents.py``); in a compiled block it is one op, and a new batch's documents compile nothing.
 """
 
 from __future__ import annotations
@@ -40,13 +40,17 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointError
 
 from lightdist.dataflow import expanded_index
+from lightdist.parallel.document_attention import (
+    attention_per_document,
+    compiled_attention_per_document,
+    document_lengths,
+)
 from lightdist.parallel.loss_tokens import IGNORE_INDEX
 from lightdist.parallel.sharding import local_tensor
 
 __all__ = [
     "DocumentMasks",
     "DocumentMode",
-    "attention_per_document",
     "attention_within_documents",
     "check_end_token",
     "document_ids",
@@ -101,7 +105,9 @@ class DocumentMasks:
         self.end_token, self.mask_end_loss = end_token, mask_end_loss
         self.tokens: Tensor | None = None  # (batch, sequence) of the step's token ids
         self.ids: Tensor | None = None  # (batch, sequence): each token's document, from ``tokens``
-        self.attended = 0  # attention calls given the documents' mask since the step began
+        # Whether an attention call was given the documents' mask since the step began: set, never read, in compiled
+        # blocks (a count read there would be a guard, and each block would compile once per count)
+        self.attended = False
         self.loss_counts: list[Tensor] = []  # the targets each cross-entropy of the step kept, with ``mask_end_loss``
         # Where context parallelism runs the model on a rank's share of each sequence: the share's positions.
         self.split: SequenceSplit | None = None
@@ -112,7 +118,7 @@ class DocumentMasks:
     def see(self, batch: Any) -> None:
         """Take the documents of the step's ``batch`` (a step without token ids is refused)."""
         self.tokens, self.ids = self._documents_of(batch)
-        self.attended, self.loss_counts = 0, []
+        self.attended, self.loss_counts = False, []
 
     @contextmanager
     def within(self, part: Any) -> Iterator[None]:
@@ -146,7 +152,7 @@ class DocumentMasks:
 
     def check_attended(self) -> None:
         """Refuse a step over several documents whose attention no call gave the documents' mask."""
-        if self.attended == 0 and self.ids is not None and bool((self.ids[:, -1] > 0).any()):
+        if not self.attended and self.ids is not None and bool((self.ids[:, -1] > 0).any()):
             raise ValueError(
                 f"document_end_token={self.end_token}: the batch packs several documents in a sequence, but the step "
                 "called no torch.nn.functional.scaled_dot_product_attention over its sequences, so its attention (a "
@@ -154,6 +160,26 @@ class DocumentMasks:
                 "models with attn_implementation='sdpa'; in your own attention, call "
                 "F.scaled_dot_product_attention(q, k, v, is_causal=True); or train without document_end_token."
             )
+
+    def attention(self, query: Tensor, key: Tensor, value: Tensor, **options: Any) -> Tensor:
+        """Causal attention within the step's documents over its sequences (batch, heads, sequence, head dim): the
+        model's own calls, through the mode, and context parallelism's all-to-all over the sequences it gathers.
+        ``options``: SDPA's (dropout_p, scale, enable_gqa). On each rank's own heads where tensor parallelism holds
+        them as DTensors (attention that reshapes with global sizes); in a compiled block, as one op over the
+        documents' ids."""
+        self.attended = True
+        if isinstance(query, DTensor):
+            if any(placement.is_shard() and placement.dim not in (0, 1) for placement in query.placements):
+                raise ValueError(
+                    f"document_end_token: attention over sequences split over ranks ({query.placements}) cannot be "
+                    "cut into documents. Gather the sequence before attention (sequence_parallel=False)."
+                )
+            out = self.attention(*(local_tensor(t) for t in (query, key, value)), **options)
+            return DTensor.from_local(out, query.device_mesh, query.placements)
+        dropout_p = options.pop("dropout_p", 0.0)
+        if torch.compiler.is_compiling() and not dropout_p:
+            return compiled_attention_per_document(query, key, value, self.ids_for(query.size(-2)), **options)
+        return _attention_eagerly(self, query, key, value, dropout_p=dropout_p, **options)
 
     def loss_tokens(self, step_name: str) -> Tensor | None:
         """The targets the step's one cross-entropy kept once the end tokens' predictions were left out, which its
@@ -230,8 +256,7 @@ class DocumentMasks:
         if self._lengths_of is not self.ids:
             self._lengths, self._lengths_of = {}, self.ids
         if length not in self._lengths:
-            ids = self.ids[:, :length]
-            self._lengths[length] = [torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in ids]
+            self._lengths[length] = document_lengths(self.ids[:, :length])
         return self._lengths[length]
 
     def same_document(self, length: int, queries: Tensor, keys: int) -> Tensor | None:
@@ -241,7 +266,7 @@ class DocumentMasks:
         ids = self.ids_for(length)
         if ids is None:
             return None
-        self.attended += 1
+        self.attended = True
         return (ids.index_select(1, queries).unsqueeze(-1) == ids[:, None, :keys]).unsqueeze(1)
 
     def positions_of(self, indices: Tensor) -> Tensor | None:
@@ -260,26 +285,11 @@ class DocumentMasks:
         return document_positions(ids).index_select(1, whole)
 
 
-def attention_per_document(
-    query: Tensor, key: Tensor, value: Tensor, lengths: list[list[int]], **options: Any
-) -> Tensor:
-    """Causal attention within each document of each sequence, SDPA's causal kernel run on each document's slice of the
-    queries, keys and values (batch, heads, sequence, head dim) alone: the block-causal mask's result, without it, at
-    a cost of the sum of the documents' squared lengths rather than the sequence's, and no mask in memory.
-    ``lengths``: each sequence's documents' lengths, in order; ``options``: SDPA's (dropout_p, scale, enable_gqa)."""
-    if isinstance(query, DTensor):  # tensor parallelism's heads (attention that reshapes with global sizes)
-        if any(placement.is_shard() and placement.dim not in (0, 1) for placement in query.placements):
-            raise ValueError(
-                f"document_end_token: attention over sequences split over ranks ({query.placements}) cannot be cut "
-                "into documents. Gather the sequence before attention (sequence_parallel=False)."
-            )
-        out = attention_per_document(*(local_tensor(t) for t in (query, key, value)), lengths, **options)
-        return DTensor.from_local(out, query.device_mesh, query.placements)
-    rows = []
-    for row, counts in enumerate(lengths):
-        pieces = zip(*(t[row : row + 1].split(counts, dim=2) for t in (query, key, value)), strict=True)
-        rows.append(torch.cat([F.scaled_dot_product_attention(*qkv, is_causal=True, **options) for qkv in pieces], 2))
-    return torch.cat(rows)
+@torch.compiler.disable
+def _attention_eagerly(documents: DocumentMasks, query: Tensor, key: Tensor, value: Tensor, **options: Any) -> Tensor:
+    """Outside compiled code, or in a compiled block whose attention drops out, between its graphs: traced, the
+    documents' lengths would compile each batch anew."""
+    return attention_per_document(query, key, value, documents.lengths(query.size(-2)), **options)
 
 
 def within_documents(documents: DocumentMasks | None, part: Any) -> AbstractContextManager[None]:
@@ -388,9 +398,7 @@ class DocumentMode(TorchFunctionMode):
                 "is_causal=True) with no mask (Hugging Face models build none for a batch without padding), or train "
                 "without document_end_token."
             )
-        self.documents.attended += 1
-        lengths = self.documents.lengths(query.size(-2))
-        return attention_per_document(query, key, value, lengths, dropout_p=dropout_p, **options)
+        return self.documents.attention(query, key, value, dropout_p=dropout_p, **options)
 
     def _embedding(self, indices: Tensor, weight: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         positions = self.documents.positions_of(local_tensor(indices))

@@ -13,8 +13,8 @@ Two ways, as ``context_parallel_method`` picks:
 Both go through ``F.scaled_dot_product_attention`` and torch's collectives, so gradients flow back to the ranks that
 hold each token by autograd. A mask the model built is read first: a causal mask by position is the causal mask, a
 bias per key is gathered, and any other mask is refused. With packed documents (``lightdist.parallel.documents``),
-attention stays within each: the all-to-all's call over whole sequences is masked by the documents' mode, as one
-process's is, and the ring masks each chunk of queries by the documents of its positions and of the keys it sees.
+attention stays within each: the all-to-all attends over the whole sequences it gathers within their documents, as one
+process does, and the ring masks each chunk of queries by the documents of its positions and of the keys it sees.
 """
 
 from __future__ import annotations
@@ -241,13 +241,12 @@ class SplitAttention(SplitSequences):
             length = local_len * self.size
             future = torch.ones(length, length, dtype=torch.bool, device=query.device).triu(1)
             mask = key_bias.expand(-1, -1, length, -1).masked_fill(future, torch.finfo(key_bias.dtype).min)
-        out = F.scaled_dot_product_attention(
-            *(gather_sequence(t) for t in (query, key, value)),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=gqa,
-        )
+        whole = [gather_sequence(t) for t in (query, key, value)]
+        if self.documents is not None and mask is None:
+            out = self.documents.attention(*whole, scale=scale, enable_gqa=gqa)
+        else:
+            causal = mask is None
+            out = F.scaled_dot_product_attention(*whole, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
         batch, heads_here, _, dim = out.shape
         parts = out.index_select(2, held).view(batch, heads_here, self.size, local_len, dim).permute(2, 0, 1, 3, 4)
         returned = all_to_all_rows(parts, [1] * self.size, [1] * self.size, self.group)

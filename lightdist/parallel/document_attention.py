@@ -1,0 +1,95 @@
+"""Causal attention within each packed document: SDPA's causal kernel on each document's slice alone.
+
+Slicing computes what the block-causal mask does (to rounding), without a mask in memory and at the cost of the
+documents' squared lengths, not the window's. The slices' lengths are the batch's own, so a block ``torch.compile``
+traced through them would compile anew for every batch; in compiled blocks the slicing runs as one opaque op instead
+(``lightdist::attention_within_documents``), given the documents' ids, whose backward runs each slice's forward again
+and differentiates it. Nothing in the graph depends on the lengths, and the block compiles once. Attention that drops
+out would draw other masks in that rerun: the documents' mode runs it eagerly between the block's graphs instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["attention_per_document", "compiled_attention_per_document", "document_lengths"]
+
+
+def document_lengths(ids: Tensor) -> list[list[int]]:
+    """The lengths of each row's documents, in order, from each token's document id (batch, sequence)."""
+    return [torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in ids]
+
+
+def attention_per_document(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    lengths: list[list[int]],
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """Causal attention within each document of each sequence, SDPA's causal kernel run on each document's slice of the
+    queries, keys and values (batch, heads, sequence, head dim) alone: the block-causal mask's result, without it, at
+    a cost of the sum of the documents' squared lengths rather than the sequence's, and no mask in memory.
+    ``lengths``: each sequence's documents' lengths, in order."""
+    options = dict(dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+    rows = []
+    for row, counts in enumerate(lengths):
+        pieces = zip(*(t[row : row + 1].split(counts, dim=2) for t in (query, key, value)), strict=True)
+        rows.append(torch.cat([F.scaled_dot_product_attention(*qkv, is_causal=True, **options) for qkv in pieces], 2))
+    return torch.cat(rows)
+
+
+def compiled_attention_per_document(
+    query: Tensor, key: Tensor, value: Tensor, ids: Tensor, scale: float | None = None, enable_gqa: bool = False
+) -> Tensor:
+    """``attention_per_document`` as a compiled block calls it: one op over the documents' ``ids`` (batch, sequence),
+    without dropout, which its backward, running the forward again, would not draw alike."""
+    return torch.ops.lightdist.attention_within_documents(query, key, value, ids, scale, enable_gqa)
+
+
+@torch.library.custom_op("lightdist::attention_within_documents", mutates_args=())
+def _attention_op(
+    query: Tensor, key: Tensor, value: Tensor, ids: Tensor, scale: float | None, enable_gqa: bool
+) -> Tensor:
+    out = attention_per_document(query, key, value, document_lengths(ids), scale=scale, enable_gqa=enable_gqa)
+    return out.contiguous()
+
+
+@_attention_op.register_fake
+def _(query: Tensor, key: Tensor, value: Tensor, ids: Tensor, scale: float | None, enable_gqa: bool) -> Tensor:
+    return query.new_empty((*query.shape[:-1], value.size(-1)))
+
+
+@torch.library.custom_op("lightdist::attention_within_documents_backward", mutates_args=())
+def _attention_backward_op(
+    grad: Tensor, query: Tensor, key: Tensor, value: Tensor, ids: Tensor, scale: float | None, enable_gqa: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    lengths = document_lengths(ids)
+    _, pullback = torch.func.vjp(
+        lambda *qkv: attention_per_document(*qkv, lengths, scale=scale, enable_gqa=enable_gqa), query, key, value
+    )
+    return tuple(gradient.contiguous() for gradient in pullback(grad))
+
+
+@_attention_backward_op.register_fake
+def _(
+    grad: Tensor, query: Tensor, key: Tensor, value: Tensor, ids: Tensor, scale: float | None, enable_gqa: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(tensor.new_empty(tensor.shape) for tensor in (query, key, value))
+
+
+def _keep_inputs(ctx, inputs: tuple, output: Tensor) -> None:
+    query, key, value, ids, ctx.scale, ctx.enable_gqa = inputs
+    ctx.save_for_backward(query, key, value, ids)
+
+
+def _backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+    gradients = _attention_backward_op(grad, *ctx.saved_tensors, ctx.scale, ctx.enable_gqa)
+    return (*gradients, None, None, None)
+
+
+_attention_op.register_autograd(_backward, setup_context=_keep_inputs)
