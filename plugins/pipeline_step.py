@@ -283,10 +283,11 @@ class PipelineStep:
             return None
         return (
             f"mask_document_end_loss=True under a pipeline: the step's cross-entropy kept {kept} targets of the "
-            f"microbatches, but lightdist counted {counted} before the schedule ran, from their tokens (each but the "
-            "last, the next one its target) and their batch's labels where it has them, to weigh each microbatch's "
-            "loss. Feed windows of tokens, or a mapping with input_ids and labels, or train with "
-            "mask_document_end_loss=False."
+            f"microbatches, but lightdist counted {counted} before the schedule ran, to weigh each microbatch's loss: "
+            "each token but the last (the next its target), or each target of an (inputs, targets) pair, not "
+            "predicted from an end token and not -100 in the batch's labels or targets. Feed windows of tokens, "
+            "(inputs, targets) pairs or a mapping with input_ids and labels, the targets to ignore -100 in the batch; "
+            "or train with mask_document_end_loss=False."
         )
 
     def predict(self, batch: Any, batch_idx: int) -> Any:

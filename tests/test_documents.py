@@ -373,6 +373,15 @@ CASES = {
         document_end_token=NEWLINE,
         mask_document_end_loss=True,
     ),
+    # (x, y) pairs: a target for each input, the last beyond the inputs
+    "zoo_nanogpt_pairs_pp2_end_loss_masked": Case(
+        PP2,
+        "zoo_nanogpt_pairs",
+        batch_size=2,
+        data="pairs",
+        document_end_token=NEWLINE,
+        mask_document_end_loss=True,
+    ),
     "zoo_hf_llama_labels_pp2_end_loss_masked_accumulate": Case(
         PP2,
         "zoo_hf_llama_labels",
@@ -405,9 +414,9 @@ CASES = {
 WITHOUT_MASKS = Case(model="llama", batch_size=4)
 # Blocks in an nn.Sequential: torch's tracer cuts the stages, into graphs of aten ops the masks cannot reach.
 TRACED = Case(strategy=PP2, model="zoo_lecture_gpt", batch_size=2, document_end_token=NEWLINE)
-# (x, y) pairs under a pipeline: the microbatches' targets counted from their inputs miss each row's last
+# A step that leaves targets out itself (nanoGPT's ignore_index=-1): the microbatches' counts miss them
 MISCOUNTED = Case(
-    PP2, "zoo_nanogpt_pairs", batch_size=2, data="pairs", document_end_token=NEWLINE, mask_document_end_loss=True
+    PP2, "zoo_nanogpt_ignoring_last_targets", batch_size=2, document_end_token=NEWLINE, mask_document_end_loss=True
 )
 REFERENCES = References([*(case.reference(world_size=2) for case in CASES.values()), WITHOUT_MASKS])
 
@@ -440,7 +449,7 @@ def test_stages_cut_by_the_tracer_are_refused_with_the_way_out(two_ranks: dict) 
 
 def test_a_pipeline_whose_targets_are_not_counted_as_its_loss_keeps_them_is_refused(two_ranks: dict) -> None:
     assert "mask_document_end_loss=True under a pipeline" in two_ranks["miscounted"].error
-    assert "Feed windows of tokens, or a mapping with input_ids and labels" in two_ranks["miscounted"].error
+    assert "the targets to ignore -100 in the batch" in two_ranks["miscounted"].error
 
 
 def test_the_masks_change_what_trains() -> None:

@@ -393,6 +393,7 @@ MODELS = {
         zoo.HuggingFaceFineTuning, model_type="mixtral", **dict(zoo.HF_TINY_MOE, **zoo.HF_MOE_FAMILIES["mixtral"])
     ),
     "zoo_nanogpt_pairs": zoo.NanoGPTOnPairs,
+    "zoo_nanogpt_ignoring_last_targets": zoo.NanoGPTIgnoringLastTargets,
     "zoo_lecture_gpt": zoo.LectureGPT,
     "held_sequential": HeldSequentialLM,
     "position_indexed": PositionIndexedLM,

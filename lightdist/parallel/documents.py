@@ -201,8 +201,12 @@ class DocumentMasks:
     def targets_kept(self, part: Any) -> Tensor:
         """The targets a loss over the next tokens of ``part`` (a pipeline's microbatch) keeps once the end tokens'
         predictions are left out, counted before the loss runs: those of every position but the last whose token is
-        not an end token and, where ``part`` holds ``labels`` as long as its tokens, whose next label is not -100."""
+        not an end token and, where ``part`` holds ``labels`` as long as its tokens, whose next label is not -100; for
+        an ``(inputs, targets)`` pair, a target for every input, the last beyond them, where not -100."""
         tokens, _ = self._documents_of(part)
+        pair = isinstance(part, tuple | list) and len(part) == 2 and token_ids_of(part) is part[0]
+        if pair and isinstance(part[1], Tensor) and part[1].shape == tokens.shape:
+            return ((tokens != self.end_token) & (part[1] != IGNORE_INDEX)).sum()
         kept = tokens[:, :-1] != self.end_token
         labels = part.get("labels") if isinstance(part, Mapping) else None
         if isinstance(labels, Tensor) and labels.shape == tokens.shape:
