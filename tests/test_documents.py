@@ -41,6 +41,7 @@ NEWLINE = ARITHMETIC_ALPHABET.index("\n")  # where each sum, a document here, en
 FAMILIES = [
     "zoo_nanogpt",
     "zoo_nanogpt_sliced_positions",  # minGPT's table of positions, sliced: self.pos_emb[:, :t, :]
+    "zoo_nanogpt_table_positions",  # a (positions, width) table's first rows, added by broadcasting: self.pos_emb[:t]
     "zoo_litgpt",
     "zoo_hf_llama_labels",
     "zoo_hf_qwen2_logits",
@@ -339,6 +340,7 @@ CASES = {
     # whole sequences are masked as one process's; learned positions are looked up at a rank's share's.
     "zoo_nanogpt_cp2_ring": packed("zoo_nanogpt", CP2_RING),
     "zoo_nanogpt_sliced_positions_cp2_ring": packed("zoo_nanogpt_sliced_positions", CP2_RING),
+    "zoo_nanogpt_table_positions_zero3_dp2": packed("zoo_nanogpt_table_positions", dict(zero_stage=3)),
     "llama_cp2_ring_full_checkpointing": packed("llama", dict(CP2_RING, activation_checkpointing="full")),
     "zoo_litgpt_cp2_all_to_all": packed("zoo_litgpt", CP2_ALL_TO_ALL),
     # Hugging Face shifts its labels itself: windows of 32 tokens, which the model takes whole

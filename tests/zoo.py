@@ -219,6 +219,22 @@ class SlicedPositionsGPT(GPT):
         return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
 
+class TablePositionsGPT(SlicedPositionsGPT):
+    """The position table as a plain (block_size, n_embd) ``nn.Parameter``, its first ``t`` rows added to the token
+    embeddings by broadcasting (``self.pos_emb[:t]``)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.pos_emb = nn.Parameter(torch.randn(config.block_size, config.n_embd) * 0.02)
+
+    def forward(self, idx, targets):
+        x = self.transformer.drop(self.transformer.wte(idx) + self.pos_emb[: idx.size(1)])
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
 class NanoGPT(LightningModule):
     """nanoGPT's ``GPT`` (or ``network``, another like it) as ``self.model``; the step unpacks its ``(logits, loss)``.
     The learning rate warms up as nanoGPT's ``train.py`` warms it up."""

@@ -412,21 +412,24 @@ class DocumentMode(TorchFunctionMode):
 
     def _table_rows(self, func: Any, args: tuple, kwargs: dict) -> Tensor | None:
         """A learned position table's rows at the positions within their documents, where the model takes the rows of
-        its tokens' positions from an ``nn.Parameter`` of (1, positions, width): the first ``t`` (minGPT's
-        ``pos_emb[:, :t, :]``), or under context parallelism a rank's share's (``index_select``)."""
+        its tokens' positions from an ``nn.Parameter`` of (1, positions, width) or (positions, width): the first ``t``
+        (minGPT's ``pos_emb[:, :t, :]``, or ``pos_emb[:t]`` added by broadcasting), or under context parallelism a
+        rank's share's (``index_select``). A 2-D table's rows become (batch, t, width): each row has its documents."""
         table = args[0]
-        if not (isinstance(table, nn.Parameter) and table.dim() == 3 and table.size(0) == 1):
+        if not (isinstance(table, nn.Parameter) and (table.dim() == 2 or (table.dim() == 3 and table.size(0) == 1))):
             return None
+        rows_dim = table.dim() - 2
         if func is Tensor.__getitem__:
-            length = _first_rows(args[1])
+            length = _first_rows(args[1], table.dim())
             indices = None if length is None else torch.arange(length, device=table.device)
         else:
             dim, indices = (*args[1:], kwargs.get("dim"), kwargs.get("index"))[:2]
-            indices = indices if dim == 1 else None
+            indices = indices if dim == rows_dim else None
         positions = None if indices is None else self.documents.positions_of(indices)
         if positions is None:
             return None
-        return _replicated_like(F.embedding(positions, local_tensor(table)[0]), table)
+        rows = local_tensor(table)[0] if table.dim() == 3 else local_tensor(table)
+        return _replicated_like(F.embedding(positions, rows), table)
 
 
 # The losses whose targets ``mask_end_loss`` reads.
@@ -437,13 +440,16 @@ _BACKWARD = {Tensor.backward, torch.autograd.backward, torch.autograd.grad}
 _TABLE_READS = {Tensor.__getitem__, Tensor.index_select, torch.index_select}
 
 
-def _first_rows(index: Any) -> int | None:
-    """``t``, where ``index`` takes a (1, positions, width) table's first ``t`` rows: ``[:, :t]``, ``[:, :t, :]``."""
-    index = expanded_index(index, 3)
-    if len(index) != 3 or not all(isinstance(part, slice) for part in index):
+def _first_rows(index: Any, dims: int) -> int | None:
+    """``t``, where ``index`` takes the first ``t`` rows of a table of positions of ``dims`` dimensions, its others
+    whole: ``[:t]`` of (positions, width), ``[:, :t]`` or ``[:, :t, :]`` of (1, positions, width)."""
+    index = expanded_index(index, dims)
+    if len(index) != dims or not all(isinstance(part, slice) for part in index):
         return None
-    whole, rows = slice(None), index[1]
-    if index[0] != whole or index[2] != whole or rows.start not in (None, 0) or rows.step not in (None, 1):
+    whole, rows = slice(None), index[dims - 2]
+    if any(part != whole for d, part in enumerate(index) if d != dims - 2):
+        return None
+    if rows.start not in (None, 0) or rows.step not in (None, 1):
         return None
     return rows.stop if isinstance(rows.stop, int) else None
 
