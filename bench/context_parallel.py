@@ -14,8 +14,8 @@ loss, which each size computes alike. Each rank sends, per block and step:
     all-to-all:  8 x (cp - 1) / cp x tokens / cp x width x bytes            (q, k, v and the output, forward and back)
 
 With ``--document N`` the sequence packs documents of N tokens (``document_end_token``: attention within each), and
-the last column says how even the ranks' work is: the slowest rank's step over the fastest's (torchtitan balances the
-ring by documents for it; lightdist's ring masks each rank's causal half, whatever the documents).
+the last column says how even the ranks' work is: the slowest rank's step over the fastest's (both methods slice each
+rank's attention by document; torchtitan also balances the ring's chunks by documents, which lightdist does not).
 
     python bench/context_parallel.py                        # 4k, 8k and 16k tokens; cp 1, 2 and 4
     python bench/context_parallel.py --lengths 4096 --sizes 1 2 --repeats 1

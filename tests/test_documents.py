@@ -95,6 +95,11 @@ def test_attention_per_document_is_the_block_causal_mask_without_it() -> None:
     gradients = [torch.autograd.grad(out.square().sum(), (query, key, value)) for out in (sliced, dense)]
     for sliced_gradient, dense_gradient in zip(*gradients, strict=True):
         torch.testing.assert_close(sliced_gradient, dense_gradient, rtol=1e-5, atol=1e-5)
+    # a chunk of queries, positions 20 to 45 (context parallelism's ring), over the keys before its last: the second
+    # document begun before the chunk attends over its keys from its beginning
+    keys, values = key[:, :, :45], value[:, :, :45]
+    chunk = attention_per_document(query[:, :, 20:45], keys, values, [[10, 31, 23], [64]], start=20, **options)
+    torch.testing.assert_close(chunk, dense[:, :, 20:45], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -27,6 +27,7 @@ def attention_per_document(
     key: Tensor,
     value: Tensor,
     lengths: list[list[int]],
+    start: int = 0,
     dropout_p: float = 0.0,
     scale: float | None = None,
     enable_gqa: bool = False,
@@ -34,13 +35,43 @@ def attention_per_document(
     """Causal attention within each document of each sequence, SDPA's causal kernel run on each document's slice of the
     queries, keys and values (batch, heads, sequence, head dim) alone: the block-causal mask's result, without it, at
     a cost of the sum of the documents' squared lengths rather than the sequence's, and no mask in memory.
-    ``lengths``: each sequence's documents' lengths, in order."""
+    ``lengths``: each sequence's documents' lengths, in order. The queries may be those of positions from ``start`` on,
+    over the keys of every position before their last (context parallelism's chunks): a document begun before
+    ``start`` attends its queries in the chunk over its keys from its beginning, aligned to the last."""
     options = dict(dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+    stop = start + query.size(2)
     rows = []
-    for row, counts in enumerate(lengths):
-        pieces = zip(*(t[row : row + 1].split(counts, dim=2) for t in (query, key, value)), strict=True)
-        rows.append(torch.cat([F.scaled_dot_product_attention(*qkv, is_causal=True, **options) for qkv in pieces], 2))
+    # split, not sliced piece by piece: each slice's backward would fill a gradient of the whole tensor
+    for counts, queries, keys, values in zip(lengths, *(t.split(1) for t in (query, key, value)), strict=True):
+        spans = _spans(counts, start, stop)
+        keys, values = (t.narrow(2, spans[0][0], stop - spans[0][0]) for t in (keys, values))
+        pieces = zip(
+            spans,
+            queries.split([last - first for _, first, last in spans], dim=2),
+            *(t.split([last - begins for begins, _, last in spans], dim=2) for t in (keys, values)),
+            strict=True,
+        )
+        outs = []
+        for (begins, first, last), *qkv in pieces:
+            causal = dict(is_causal=True)
+            if first > begins:  # a document begun before the queries: the causal mask aligned to the last key
+                kept = torch.ones(last - first, last - begins, dtype=torch.bool, device=query.device)
+                causal = dict(attn_mask=kept.tril(first - begins))
+            outs.append(F.scaled_dot_product_attention(*qkv, **causal, **options))
+        rows.append(torch.cat(outs, 2))
     return torch.cat(rows)
+
+
+def _spans(counts: list[int], start: int, stop: int) -> list[tuple[int, int, int]]:
+    """Where each document with queries in positions ``start`` to ``stop`` begins, and its first and last query
+    there (exclusive)."""
+    spans, begins = [], 0
+    for count in counts:
+        first, last = max(begins, start), min(begins + count, stop)
+        if first < last:
+            spans.append((begins, first, last))
+        begins += count
+    return spans
 
 
 def compiled_attention_per_document(

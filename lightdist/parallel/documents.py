@@ -181,6 +181,15 @@ class DocumentMasks:
             return compiled_attention_per_document(query, key, value, self.ids_for(query.size(-2)), **options)
         return _attention_eagerly(self, query, key, value, dropout_p=dropout_p, **options)
 
+    def attention_from(
+        self, length: int, start: int, query: Tensor, key: Tensor, value: Tensor, **options: Any
+    ) -> Tensor:
+        """Causal attention within the documents of sequences of ``length`` tokens for the queries of positions from
+        ``start`` on, over the keys of every position before their last: context parallelism's ring, each chunk of a
+        rank's queries over the keys gathered up to it, at the cost of its documents' scores only."""
+        self.attended = True
+        return attention_per_document(query, key, value, self.lengths(length), start, **options)
+
     def loss_tokens(self, step_name: str) -> Tensor | None:
         """The targets the step's one cross-entropy kept once the end tokens' predictions were left out, which its
         mean is over; ``None`` without ``mask_end_loss``. A training step must compute one such mean: with none, what

@@ -14,7 +14,8 @@ Both go through ``F.scaled_dot_product_attention`` and torch's collectives, so g
 hold each token by autograd. A mask the model built is read first: a causal mask by position is the causal mask, a
 bias per key is gathered, and any other mask is refused. With packed documents (``lightdist.parallel.documents``),
 attention stays within each: the all-to-all attends over the whole sequences it gathers within their documents, as one
-process does, and the ring masks each chunk of queries by the documents of its positions and of the keys it sees.
+process does, and the ring attends each document's queries in a chunk over that document's keys alone (a compiled
+block masks the chunk by the documents of its positions and of the keys it sees).
 """
 
 from __future__ import annotations
@@ -182,29 +183,33 @@ class SplitAttention(SplitSequences):
         self, query: Tensor, key: Tensor, value: Tensor, scale: float | None, key_bias: Tensor | None
     ) -> Tensor:
         """Each of the rank's two chunks of queries over the keys up to its own end, under the causal mask: the half
-        of the scores causal attention needs, for every rank alike. Slices by ``narrow``, which the mode does not
-        read as a shift of a share."""
+        of the scores causal attention needs, for every rank alike; within packed documents, each document's queries
+        over its own keys alone (a compiled block masks instead: the documents' lengths would compile it anew for each
+        batch). Slices by ``narrow``, which the mode does not read as a shift of a share."""
         whole_key, whole_value = self.gathered(key, 2), self.gathered(value, 2)
-        chunk = query.size(2) // 2
+        chunk, length, gqa = query.size(2) // 2, query.size(2) * self.size, key.size(1) != query.size(1)
+        documents = (
+            self.documents if self.documents is not None and self.documents.ids_for(length) is not None else None
+        )
+        sliced = documents is not None and key_bias is None and not torch.compiler.is_compiling()
         outs = []
         for half, index in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
             end = (index + 1) * chunk
+            queries = query.narrow(2, half * chunk, chunk)
+            keys, values = whole_key.narrow(2, 0, end), whole_value.narrow(2, 0, end)
+            if sliced:
+                outs.append(
+                    documents.attention_from(length, end - chunk, queries, keys, values, scale=scale, enable_gqa=gqa)
+                )
+                continue
             mask = torch.ones(chunk, end, dtype=torch.bool, device=query.device).tril(end - chunk)
-            if self.documents is not None:
-                queries = torch.arange(end - chunk, end, device=query.device)
-                within = self.documents.same_document(query.size(2) * self.size, queries, end)
-                mask = mask if within is None else mask & within
+            if documents is not None:
+                positions = torch.arange(end - chunk, end, device=query.device)
+                mask = mask & documents.same_document(length, positions, end)
             if key_bias is not None:
                 mask = torch.where(mask, key_bias.narrow(-1, 0, end), torch.finfo(key_bias.dtype).min).to(query.dtype)
             outs.append(
-                F.scaled_dot_product_attention(
-                    query.narrow(2, half * chunk, chunk),
-                    whole_key.narrow(2, 0, end),
-                    whole_value.narrow(2, 0, end),
-                    attn_mask=mask,
-                    scale=scale,
-                    enable_gqa=key.size(1) != query.size(1),
-                )
+                F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
             )
         return torch.cat(outs, dim=2)
 
