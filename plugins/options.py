@@ -53,13 +53,6 @@ def validate_options(
             f"non_finite={non_finite!r} is not one of 'skip' (leave the weights as they were), 'rollback' (load the "
             "newest checkpoint), 'stop' (raise, naming the step) or None (check nothing)."
         )
-    if config.mask_document_end_loss and sizes.pp != 1 and sizes.cp != 1:
-        raise ValueError(
-            f"mask_document_end_loss=True with pipeline_parallel_size={sizes.pp!r} and context_parallel_size="
-            f"{sizes.cp!r} is not supported yet: a pipeline counts its microbatches' targets whole, where each "
-            "context-parallel rank's loss keeps a share of them. Train with one of the two, or keep the end tokens' "
-            "predictions (mask_document_end_loss=False)."
-        )
     if config.pipeline_tracer and sizes.tp != 1:
         raise ValueError(
             "pipeline_tracer=True traces each block into a graph with its head counts fixed, which tensor "

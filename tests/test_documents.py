@@ -297,18 +297,9 @@ def test_an_end_token_other_than_the_corpus_one_is_refused(tmp_path: Path) -> No
         (dict(document_end_token=-1), "must be a token id"),
         (dict(document_end_token=NEWLINE, pipeline_parallel_size=2, pipeline_tracer=True), "pipeline_tracer=True"),
         (dict(mask_document_end_loss=True), "no document_end_token is set"),
-        (
-            dict(
-                document_end_token=NEWLINE,
-                mask_document_end_loss=True,
-                pipeline_parallel_size=2,
-                context_parallel_size=2,
-            ),
-            "not supported yet",
-        ),
     ],
 )
-def test_layouts_not_shown_yet_are_refused_as_the_strategy_is_built(options: dict, refusal: str) -> None:
+def test_document_options_that_cannot_work_are_refused_as_the_strategy_is_built(options: dict, refusal: str) -> None:
     with pytest.raises(ValueError, match=refusal):
         ParallelStrategy(**options)
 

@@ -299,9 +299,17 @@ CASES = {
         ),
         "zoo_nanogpt_pp2_cp2_ring": Case(strategy=dict(PP2, **CP2_RING), model="zoo_nanogpt"),
         "zoo_litgpt_pp2_cp2": Case(strategy=dict(PP2, **CP2), model="zoo_litgpt"),
-        # packed documents (tests/test_documents.py): each microbatch's documents, on each rank's share of them
-        "zoo_nanogpt_pp2_cp2_ring_documents": Case(
-            strategy=dict(PP2, **CP2_RING), model="zoo_nanogpt", document_end_token=NEWLINE
+        # packed documents (tests/test_documents.py): each microbatch's documents, on each rank's share of them; what
+        # each end token predicts left out of the loss, each microbatch weighed by the targets its share keeps
+        "zoo_nanogpt_pp2_cp2_ring_documents_end_loss_masked": Case(
+            strategy=dict(PP2, **CP2_RING), model="zoo_nanogpt", document_end_token=NEWLINE, mask_document_end_loss=True
+        ),
+        "zoo_hf_llama_labels_pp2_cp2_documents_end_loss_masked": Case(
+            strategy=dict(PP2, **CP2),
+            model="zoo_hf_llama_labels",
+            seq_len=31,
+            document_end_token=NEWLINE,
+            mask_document_end_loss=True,
         ),
         # what each end token predicts left out of the loss: pipelined microbatches, and data-parallel ranks, weighed
         # by the targets they keep

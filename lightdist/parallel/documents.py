@@ -211,16 +211,23 @@ class DocumentMasks:
         """The targets a loss over the next tokens of ``part`` (a pipeline's microbatch) keeps once the end tokens'
         predictions are left out, counted before the loss runs: those of every position but the last whose token is
         not an end token and, where ``part`` holds ``labels`` as long as its tokens, whose next label is not -100; for
-        an ``(inputs, targets)`` pair, a target for every input, the last beyond them, where not -100."""
+        an ``(inputs, targets)`` pair, a target for every input, the last beyond them, where not -100. Under context
+        parallelism, those of the positions this rank holds, which its cross-entropy takes."""
         tokens, _ = self._documents_of(part)
+        length = tokens.size(1)
+        positions = torch.arange(length, device=tokens.device)  # of the targets' inputs
+        if self.split is not None:  # the rank's share of the model's sequences: the windows', or their inputs'
+            split = length if length % (2 * self.split.size) == 0 else length - 1  # whichever splits
+            positions = self.split.positions(split // self.split.size, tokens.device)
         pair = isinstance(part, tuple | list) and len(part) == 2 and token_ids_of(part) is part[0]
         if pair and isinstance(part[1], Tensor) and part[1].shape == tokens.shape:
-            return ((tokens != self.end_token) & (part[1] != IGNORE_INDEX)).sum()
-        kept = tokens[:, :-1] != self.end_token
-        labels = part.get("labels") if isinstance(part, Mapping) else None
-        if isinstance(labels, Tensor) and labels.shape == tokens.shape:
-            kept &= labels[:, 1:] != IGNORE_INDEX
-        return kept.sum()
+            targets = part[1].index_select(1, positions)
+        else:
+            positions = positions[positions + 1 < length]
+            labels = part.get("labels") if isinstance(part, Mapping) else None
+            following = labels if isinstance(labels, Tensor) and labels.shape == tokens.shape else tokens
+            targets = following.index_select(1, positions + 1)
+        return ((tokens.index_select(1, positions) != self.end_token) & (targets != IGNORE_INDEX)).sum()
 
     def end_predictions(self, target: Tensor, ignore_index: int) -> Tensor | None:
         """Where ``target``, the class indices of a loss over the step's sequences ((batch, length) or flattened; under

@@ -63,8 +63,9 @@ class SplitAttention(SplitSequences):
         self.documents: DocumentMasks | None = None
 
     def attend_within(self, documents: DocumentMasks) -> None:
-        """Attend within each of the packed ``documents`` of the step's sequences, whose positions the split sets."""
-        self.documents, documents.split = documents, self
+        """Attend within each of the packed ``documents`` of the step's sequences, whose positions the split sets
+        while it runs."""
+        self.documents = documents
 
     def new_step(self) -> None:
         super().new_step()

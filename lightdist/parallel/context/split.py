@@ -152,11 +152,15 @@ class ContextParallel(SplitAttention):
         """Positions and attention of the split sequences, while a step or its backward (which may recompute) runs;
         a step whose model took its share of the sequence but attended by hand is refused once it returns."""
         into_tensor_parallel = register_module_forward_pre_hook(shares_into_tensor_parallel_modules)
+        if self.documents is not None:  # their positions are the split's while it runs (a check's whole run is not)
+            self.documents.split = self
         try:
             with ContextParallelMode(self, self.module):
                 yield
         finally:
             into_tensor_parallel.remove()
+            if self.documents is not None:
+                self.documents.split = None
         if self.local_lengths and not self.attended:
             raise ValueError(
                 f"context_parallel_size={self.size}: the model took this rank's share of each sequence but computed "
