@@ -14,8 +14,9 @@ loss, which each size computes alike. Each rank sends, per block and step:
     all-to-all:  8 x (cp - 1) / cp x tokens / cp x width x bytes            (q, k, v and the output, forward and back)
 
 With ``--document N`` the sequence packs documents of N tokens (``document_end_token``: attention within each), and
-the last column says how even the ranks' work is: the slowest rank's step over the fastest's (both methods slice each
-rank's attention by document; torchtitan also balances the ring's chunks by documents, which lightdist does not).
+the last column says how even the ranks' work is: the busiest rank's CPU time in a step over the least busy's (on CPU
+ranks; a step's wall time is every rank's alike, as they wait for each other at each attention). Both methods slice
+each rank's attention by document; torchtitan also balances the ring's chunks by documents, which lightdist does not.
 
     python bench/context_parallel.py                        # 4k, 8k and 16k tokens; cp 1, 2 and 4
     python bench/context_parallel.py --lengths 4096 --sizes 1 2 --repeats 1
@@ -66,10 +67,10 @@ def build(args: argparse.Namespace, device: torch.device) -> LlamaModel:
 
 def step(
     model: LlamaModel, windows: Tensor, cp: ContextParallel | None, bf16: bool, documents: DocumentMasks | None
-) -> tuple[float, int, int, float]:
+) -> tuple[float, int, int, float, float]:
     """One forward and backward (within the ``documents`` of ``windows``, where given): its seconds, the activation
-    bytes the forward kept, the peak bytes allocated above what was before (on a GPU), and the loss over the whole
-    sequence."""
+    bytes the forward kept, the peak bytes allocated above what was before (on a GPU), the loss over the whole
+    sequence, and the seconds this process computed (its CPU time: not the waits on other ranks)."""
     weights = {parameter.data_ptr() for parameter in model.parameters()}
     saved = 0
 
@@ -88,7 +89,7 @@ def step(
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-    start = time.perf_counter()
+    start, started_computing = time.perf_counter(), time.process_time()
     if documents is not None:
         documents.see(windows)
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor), split(cp, documents):
@@ -97,14 +98,14 @@ def step(
         loss.backward()
     if on_gpu:
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    seconds, computing = time.perf_counter() - start, time.process_time() - started_computing
     peak = torch.cuda.max_memory_allocated() - before if on_gpu else 0
     model.zero_grad(set_to_none=True)
     if cp is not None:  # each rank's mean over its half of the tokens; the sequence's is their mean
         loss = loss.detach().clone()
         dist.all_reduce(loss)
         loss /= cp.size
-    return seconds, saved, peak, loss.item()
+    return seconds, saved, peak, loss.item(), computing
 
 
 def split(cp: ContextParallel | None, documents: DocumentMasks | None) -> ExitStack:
@@ -144,14 +145,17 @@ def measure(rank: int, size: int, port: int, args: argparse.Namespace, results) 
             except Exception:  # the row says what failed, and the next ones still run
                 runs, error = [], traceback.format_exc()
             seconds = statistics.median(run[0] for run in runs) if runs else 0.0
-            ranks_seconds = [seconds]
+            # Each rank's work: its CPU time on CPU ranks (a step's wall time is every rank's alike, as the ranks
+            # wait for each other at every attention), its step's on a shared GPU.
+            work = statistics.median(run[4 if device.type == "cpu" else 0] for run in runs) if runs else 0.0
+            ranks_work = [work]
             if size > 1:
-                ranks_seconds = [None] * size
-                dist.all_gather_object(ranks_seconds, seconds)
+                ranks_work = [None] * size
+                dist.all_gather_object(ranks_work, work)
             if rank == 0:
                 if runs:
-                    spread = max(ranks_seconds) / min(ranks_seconds)
-                    results.put((seq_len, size, method, seconds, *runs[0][1:], spread, ""))
+                    spread = max(ranks_work) / min(ranks_work)
+                    results.put((seq_len, size, method, seconds, *runs[0][1:4], spread, ""))
                 else:
                     results.put((seq_len, size, method, 0.0, 0, 0, 0.0, 0.0, error))
     if size > 1:
@@ -199,7 +203,7 @@ def main() -> None:
     print(f"{args.device}, {args.precision}, width {args.dim}, {args.heads} heads, {args.layers} blocks{packing}")
     print(
         "| tokens | cp | attention | step (s) | activations per rank (MiB) | x one rank's | peak (MiB) | loss | "
-        "slowest rank / fastest |"
+        "busiest rank / least busy |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for seq_len, size, method, seconds, saved, peak, loss, spread, error in sorted(rows):

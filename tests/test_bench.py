@@ -127,7 +127,7 @@ def test_context_parallel_benchmark_times_each_size_and_method(tmp_path: Path, p
     rows = [line.strip("|").split("|") for line in run.stdout.splitlines() if line.startswith("| 256 ")]
     assert [(row[1].strip(), row[2].strip()) for row in rows] == [("1", "none"), ("2", "all_to_all"), ("2", "ring")]
     # Each rank of two keeps about half of one rank's activations, and the sequence's loss is one rank's (within
-    # each document too); the last column compares the ranks' step times.
+    # each document too); the last column compares the ranks' CPU times.
     assert all(0.4 < float(row[5]) < 0.6 for row in rows[1:]), run.stdout
     assert len({row[7] for row in rows}) == 1, run.stdout
     assert all(float(row[8]) >= 1.0 for row in rows), run.stdout

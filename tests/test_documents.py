@@ -319,7 +319,8 @@ CASES = {
     "llama_tp2_validating": packed("llama", dict(tensor_parallel_size=2), validate=True),
     "zoo_nanogpt_tp2": packed("zoo_nanogpt", dict(tensor_parallel_size=2)),
     "zoo_hf_qwen2_logits_tp2": packed("zoo_hf_qwen2_logits", dict(tensor_parallel_size=2)),
-    # each block compiled: its attention within documents one op in the block's graph, on tensor parallelism's heads
+    # each block compiled (tests/test_equivalence.py's compiled tp2 case): its attention within documents one op in the
+    # block's graph, on tensor parallelism's heads
     "zoo_hf_llama_labels_tp2_compiled": packed("zoo_hf_llama_labels", dict(tensor_parallel_size=2, compile=True)),
     "zoo_litgpt_zero3_dp2_full_checkpointing": packed(
         "zoo_litgpt", dict(zero_stage=3, activation_checkpointing="full")

@@ -43,10 +43,8 @@ CASES = {
         "gpt2_tp2_fused_qkv_tied": Case(strategy=dict(TP2, zero_stage=3), model="gpt2_no_bias", gradient_clip_val=0.1),
         "unknown_family_tp2_traced_plan": Case(strategy=dict(TP2), model="unknown_family", gradient_clip_val=0.1),
         "hf_llama_zero3": Case(strategy=dict(zero_stage=3), model="hf_llama"),
-        # torch.compile per block, between tensor parallelism and ZeRO (torchtitan's order), on third-party code
-        "zoo_hf_llama_tp2_compiled_labels": Case(
-            strategy=dict(TP2, zero_stage=3, compile=True), model="zoo_hf_llama_labels"
-        ),
+        # torch.compile per block, between tensor parallelism and ZeRO (torchtitan's order), on third-party code: HF
+        # Llama with labels on tp2 x ZeRO-3, with packed documents, in tests/test_documents.py
         "hf_llama_tp2": Case(strategy=dict(TP2, zero_stage=3), model="hf_llama", gradient_clip_val=0.1),
         "hf_opt_tp2_row_parallel_biases": Case(strategy=dict(TP2_NO_SP, zero_stage=3), model="hf_opt"),
         # Context parallelism: each rank holds half of every sequence (two of four chunks); the step, the model and
@@ -77,9 +75,9 @@ CASES = {
         # Karpathy's lecture GPT: a module per head, each attending by hand under its tril buffer, on (x, y) pairs
         "zoo_lecture_gpt_cp2_pairs": Case(strategy=CP2, model="zoo_lecture_gpt", data="pairs"),
         "gpt2_cp2_clip": Case(strategy=CP2, model="gpt2_no_bias", gradient_clip_val=0.1),
-        # each block compiled, its attention handed to the ring as it runs
-        "zoo_hf_llama_labels_cp2_ring_compiled": Case(
-            strategy=dict(CP2_RING, compile=True), model="zoo_hf_llama_labels", seq_len=31
+        # each block compiled, its attention handed to the ring as it runs, masked by the packed documents
+        "zoo_hf_llama_labels_cp2_ring_compiled_documents": Case(
+            strategy=dict(CP2_RING, compile=True), model="zoo_hf_llama_labels", seq_len=31, document_end_token=NEWLINE
         ),
         "pp2_gpipe": Case(strategy=dict(PP2, pipeline_schedule="gpipe")),
         "pp2_1f1b_4_microbatches_clip_validating_every_2_steps": Case(
