@@ -279,14 +279,12 @@ class DocumentMasks:
             self._lengths[length] = document_lengths(self.ids[:, :length])
         return self._lengths[length]
 
-    def same_document(self, length: int, queries: Tensor, keys: int) -> Tensor | None:
-        """Whether each query of a call over sequences of ``length`` tokens (its positions ``queries``) is in the
-        document of each of the first ``keys`` positions, as (batch, 1, queries, keys): for attention that builds its
-        own mask over parts of the sequences (context parallelism's ring); ``None`` for a call over other sequences."""
-        ids = self.ids_for(length)
-        if ids is None:
-            return None
+    def same_document(self, length: int, queries: Tensor, keys: int) -> Tensor:
+        """Whether each query of a call over the step's sequences of ``length`` tokens (``ids_for(length)`` is not
+        ``None``; its positions ``queries``) is in the document of each of the first ``keys`` positions, as (batch, 1,
+        queries, keys): for attention that masks parts of the sequences (context parallelism's ring, compiled)."""
         self.attended = True
+        ids = self.ids_for(length)
         return (ids.index_select(1, queries).unsqueeze(-1) == ids[:, None, :keys]).unsqueeze(1)
 
     def positions_of(self, indices: Tensor) -> Tensor | None:
