@@ -43,7 +43,7 @@ def step_seconds(model: LlamaModel, tokens: torch.Tensor, masked: bool, repeats:
         if tokens.is_cuda:
             torch.cuda.synchronize()
         started = time.perf_counter()
-        with attention_within_documents(tokens, END) if masked else nullcontext():
+        with attention_within_documents(model, tokens, END) if masked else nullcontext():
             logits = model(tokens[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
             loss.backward()

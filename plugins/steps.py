@@ -58,7 +58,7 @@ class Steps:
         self.documents = None
         if config.document_end_token is not None:
             check_end_token(config.document_end_token, module.trainer.datamodule)
-            self.documents = DocumentMasks(config.document_end_token, config.mask_document_end_loss)
+            self.documents = DocumentMasks(config.document_end_token, config.mask_document_end_loss, module)
             if context_parallel is not None:
                 context_parallel.attend_within(self.documents)
         if config.mask_document_end_loss:

@@ -42,6 +42,7 @@ FAMILIES = [
     "zoo_nanogpt",
     "zoo_nanogpt_sliced_positions",  # minGPT's table of positions, sliced: self.pos_emb[:, :t, :]
     "zoo_nanogpt_table_positions",  # a (positions, width) table's first rows, added by broadcasting: self.pos_emb[:t]
+    "zoo_nanogpt_sinusoidal_positions",  # PyTorch tutorial's fixed sinusoids, a buffer: x + self.pe[:t], sequence-first
     "zoo_litgpt",
     "zoo_hf_llama_labels",
     "zoo_hf_qwen2_logits",
@@ -116,7 +117,7 @@ def test_a_packed_window_trains_as_its_documents_alone(family: str) -> None:
         loss.backward()
         return [parameter.grad.clone() for parameter in module.parameters()]
 
-    with attention_within_documents(batch, NEWLINE) as documents:
+    with attention_within_documents(module, batch, NEWLINE) as documents:
         packed = step_loss(module, batch)
     packed_gradients = gradients_of(packed)
     assert documents.attended
@@ -139,7 +140,7 @@ def test_without_the_end_tokens_predictions_a_packed_window_trains_as_its_docume
     torch.manual_seed(0)
     module = MODELS[family](learning_rate=1e-3, warmup_steps=1).eval()
     batch = windows()
-    with attention_within_documents(batch, NEWLINE, mask_end_loss=True) as documents:
+    with attention_within_documents(module, batch, NEWLINE, mask_end_loss=True) as documents:
         packed = step_loss(module, batch)
     packed_gradients = torch.autograd.grad(packed, list(module.parameters()))
     pieces = [piece for window in batch for piece in documents_alone(window)]
@@ -174,6 +175,82 @@ def test_a_loss_whose_end_predictions_cannot_be_told_is_refused() -> None:
             documents.loss_tokens("validation_step")
 
 
+class PositionTables(torch.nn.Module):
+    """Tables of positions as model code keeps them: learned (parameters) and fixed (buffers), of (positions, width),
+    (1, positions, width) and sequence-first (positions, 1, width)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(64, 8))
+        self.batched = torch.nn.Parameter(self.table[None].detach().clone())
+        self.sequence_first = torch.nn.Parameter(self.table[:, None].detach().clone())
+        self.register_buffer("pe", self.table.detach().clone())
+        self.register_buffer("pe_batched", self.pe[None].clone())
+        self.register_buffer("pe_sequence_first", self.pe[:, None].clone())
+        self.register_buffer("cos", self.pe.cos())  # a rotary table: its rows keep their shape
+
+
+# Each way model code reads a table's first t rows into what it adds to the embeddings, (batch, t, width) or, for a
+# sequence-first table, (t, batch, width).
+READS = {
+    "learned[:t]": lambda m, t: m.table[:t],
+    "learned[:t, :]": lambda m, t: m.table[:t, :],
+    "learned[None, :t]": lambda m, t: m.table[None, :t],
+    "learned[arange(t)]": lambda m, t: m.table[torch.arange(t)],
+    "learned[arange(t)[None]]": lambda m, t: m.table[torch.arange(t)[None]],
+    "learned.narrow": lambda m, t: m.table.narrow(0, 0, t),
+    "torch.narrow(learned)": lambda m, t: torch.narrow(m.table, 0, 0, t),
+    "learned.index_select": lambda m, t: m.table.index_select(0, torch.arange(t)),
+    "batched[:, :t, :]": lambda m, t: m.batched[:, :t, :],
+    "batched[0, :t]": lambda m, t: m.batched[0, :t],
+    "batched.narrow": lambda m, t: m.batched.narrow(1, 0, t),
+    "sequence_first[:t]": lambda m, t: m.sequence_first[:t],
+    "buffer[:t]": lambda m, t: m.pe[:t],
+    "buffer[None, :t].to(float32)": lambda m, t: m.pe[None, :t].to(torch.float32),
+    "batched buffer[:, :t].detach()": lambda m, t: m.pe_batched[:, :t].detach(),
+    "sequence-first buffer[:t]": lambda m, t: m.pe_sequence_first[:t],
+}
+
+
+@pytest.mark.parametrize("read", READS)
+def test_each_read_of_a_position_tables_first_rows_reads_the_positions_within_documents(read: str) -> None:
+    """Added to the embeddings, a table's first rows are those of each token's position within its document, however
+    the model reads them; a rotary table's rows, read alike but not added, keep their shape and the window's rows."""
+    tables, batch = PositionTables(), windows()
+    length = batch.size(1) - 1
+    within = document_positions(document_ids(batch[:, :length], NEWLINE))
+    assert within.tolist() != [list(range(length))] * len(batch)  # the windows pack several documents
+    sequence_first = "sequence" in read
+    embeddings = torch.zeros(length, 2, 8) if sequence_first else torch.zeros(2, length, 8)
+    documents = DocumentMasks(NEWLINE, model=tables)
+    documents.see(batch)
+    with documents.active():
+        added = embeddings + READS[read](tables, length)
+        rotary = tables.cos[:length]
+    expected = tables.pe[within]
+    torch.testing.assert_close(added, expected.transpose(0, 1) if sequence_first else expected, rtol=0, atol=0)
+    torch.testing.assert_close(rotary, tables.cos[:length], rtol=0, atol=0)
+
+
+def add_in_place(embeddings: Tensor, rows: Tensor) -> Tensor:
+    embeddings += rows
+    return embeddings
+
+
+@pytest.mark.parametrize(
+    "add",
+    [add_in_place, torch.add, Tensor.add, lambda e, r: e.add(other=r), lambda e, r: r + e],
+    ids=["+=", "torch.add", "Tensor.add", "add(other=)", "rows + embeddings"],
+)
+def test_a_buffers_rows_added_any_way_are_those_within_documents(add) -> None:
+    tables, batch = PositionTables(), windows()
+    documents = DocumentMasks(NEWLINE, model=tables)
+    documents.see(batch)
+    with documents.active():
+        added = add(torch.zeros(2, 32, 8), tables.pe[:32])
+    torch.testing.assert_close(added, tables.pe[document_positions(document_ids(batch[:, :32], NEWLINE))])
+
+
 @pytest.mark.parametrize("family", ["zoo_nanogpt", "zoo_hf_llama_labels"])
 def test_no_token_sees_another_document(family: str) -> None:
     """Every token of the first document changed: the logits of every later document stay as they were."""
@@ -185,7 +262,7 @@ def test_no_token_sees_another_document(family: str) -> None:
     changed[0, :first_end] = (changed[0, :first_end] + 1) % NEWLINE
 
     def logits(tokens: Tensor, *, masked: bool) -> Tensor:
-        with attention_within_documents(tokens, NEWLINE) if masked else contextlib.nullcontext():
+        with attention_within_documents(model, tokens, NEWLINE) if masked else contextlib.nullcontext():
             output = model(tokens, tokens) if family == "zoo_nanogpt" else model(tokens)
         return (output[0] if isinstance(output, tuple) else output.logits)[0, first_end + 1 :]
 
@@ -217,7 +294,7 @@ def test_compiled_blocks_attend_within_documents_in_one_graph_for_every_batch(fa
 
     def step(batch: Tensor) -> tuple[Tensor, list[Tensor]]:
         module.zero_grad(set_to_none=True)
-        with attention_within_documents(batch, NEWLINE):
+        with attention_within_documents(module, batch, NEWLINE):
             loss = step_loss(module, batch)
             loss.backward()
         return loss.detach(), [parameter.grad.clone() for parameter in module.parameters()]
@@ -241,7 +318,7 @@ def test_compiled_blocks_whose_attention_drops_out_attend_within_documents_betwe
 
     def step_loss_within_documents(batch: Tensor) -> Tensor:
         torch.manual_seed(0)
-        with attention_within_documents(batch, NEWLINE):
+        with attention_within_documents(module, batch, NEWLINE):
             return step_loss(module, batch)
 
     eager = step_loss_within_documents(windows())
@@ -256,15 +333,16 @@ def test_attention_the_masks_cannot_reach_is_refused_with_the_way_out() -> None:
     batch = windows()
     lecture = MODELS["zoo_nanogpt_slow_attention"](learning_rate=1e-3, warmup_steps=1)  # q @ k.T, tril, softmax
     refused = pytest.raises(ValueError, match=r"called no torch\.nn\.functional\.scaled_dot_product_attention")
-    with refused, attention_within_documents(batch, NEWLINE):
+    with refused, attention_within_documents(lecture, batch, NEWLINE):
         step_loss(lecture, batch)
     hugging_face = MODELS["zoo_hf_llama_labels"](learning_rate=1e-3, warmup_steps=1).model
     padding = torch.ones_like(batch)
     padding[0, -4:] = 0  # a collator's padding: Hugging Face builds a mask of its own
     refused = pytest.raises(ValueError, match="passes a mask of its own over the batch's sequences")
-    with refused, attention_within_documents(batch, NEWLINE):
+    with refused, attention_within_documents(hugging_face, batch, NEWLINE):
         hugging_face(input_ids=batch, attention_mask=padding)
-    with pytest.raises(ValueError, match="holds no token ids"), attention_within_documents(torch.randn(2, 8), NEWLINE):
+    no_tokens = pytest.raises(ValueError, match="holds no token ids")
+    with no_tokens, attention_within_documents(hugging_face, torch.randn(2, 8), NEWLINE):
         pass
 
 
@@ -274,7 +352,7 @@ def test_a_models_own_activation_checkpointing_is_refused_for_the_strategys() ->
     module = MODELS["zoo_hf_llama_labels"](learning_rate=1e-3, warmup_steps=1)
     module.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     batch = windows()
-    with attention_within_documents(batch, NEWLINE):
+    with attention_within_documents(module, batch, NEWLINE):
         loss = step_loss(module.train(), batch)
         with pytest.raises(ValueError, match=r"activation_checkpointing='full' or 'selective'"):
             loss.backward()
@@ -338,6 +416,10 @@ CASES = {
     "zoo_nanogpt_cp2_ring": packed("zoo_nanogpt", CP2_RING),
     "zoo_nanogpt_sliced_positions_cp2_ring": packed("zoo_nanogpt_sliced_positions", CP2_RING),
     "zoo_nanogpt_table_positions_zero3_dp2": packed("zoo_nanogpt_table_positions", dict(zero_stage=3)),
+    # the tutorial's sinusoids, a buffer: added on the first stage (the whole copy the first step checks against holds
+    # a buffer of its own), and a rank's share of its rows under context parallelism
+    "zoo_nanogpt_sinusoidal_positions_pp2": packed("zoo_nanogpt_sinusoidal_positions", PP2),
+    "zoo_nanogpt_sinusoidal_positions_cp2_ring": packed("zoo_nanogpt_sinusoidal_positions", CP2_RING),
     "llama_cp2_ring_full_checkpointing": packed("llama", dict(CP2_RING, activation_checkpointing="full")),
     "zoo_litgpt_cp2_all_to_all": packed("zoo_litgpt", CP2_ALL_TO_ALL),
     # Hugging Face shifts its labels itself: windows of 32 tokens, which the model takes whole

@@ -323,6 +323,7 @@ MODELS = {
     "zoo_nanogpt_slow_attention": partial(zoo.NanoGPT, flash=False),
     "zoo_nanogpt_sliced_positions": partial(zoo.NanoGPT, network=zoo.SlicedPositionsGPT),
     "zoo_nanogpt_table_positions": partial(zoo.NanoGPT, network=zoo.TablePositionsGPT),
+    "zoo_nanogpt_sinusoidal_positions": partial(zoo.NanoGPT, network=zoo.SinusoidalPositionsGPT),
     "zoo_litgpt": zoo.LitGPT,
     # LitGPT's Mixtral-style MoE: its experts a list of modules that LLaMAMoE's loop calls one by one.
     "zoo_litgpt_moe": partial(

@@ -235,6 +235,46 @@ class TablePositionsGPT(SlicedPositionsGPT):
         return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
 
+# PyTorch's tutorial "Language Modeling with nn.Transformer" (pytorch/tutorials, ``transformer_tutorial.py``), kept as
+# written there: fixed sinusoids in a buffer of (max_len, 1, d_model), added to sequence-first embeddings.
+class PositionalEncoding(nn.Module):
+    def __init__(self, d_model: int, dropout: float = 0.1, max_len: int = 5000):
+        super().__init__()
+        self.dropout = nn.Dropout(p=dropout)
+
+        position = torch.arange(max_len).unsqueeze(1)
+        div_term = torch.exp(torch.arange(0, d_model, 2) * (-math.log(10000.0) / d_model))
+        pe = torch.zeros(max_len, 1, d_model)
+        pe[:, 0, 0::2] = torch.sin(position * div_term)
+        pe[:, 0, 1::2] = torch.cos(position * div_term)
+        self.register_buffer("pe", pe)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """
+        Arguments:
+            x: Tensor, shape ``[seq_len, batch_size, embedding_dim]``
+        """
+        x = x + self.pe[: x.size(0)]
+        return self.dropout(x)
+
+
+class SinusoidalPositionsGPT(SlicedPositionsGPT):
+    """nanoGPT's ``GPT`` with the tutorial's ``PositionalEncoding`` in place of its learned positions, given the token
+    embeddings sequence-first as the tutorial's model gives them."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        del self.pos_emb
+        self.pos_encoder = PositionalEncoding(config.n_embd, config.dropout, config.block_size)
+
+    def forward(self, idx, targets):
+        x = self.pos_encoder(self.transformer.wte(idx).transpose(0, 1)).transpose(0, 1)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
 class NanoGPT(LightningModule):
     """nanoGPT's ``GPT`` (or ``network``, another like it) as ``self.model``; the step unpacks its ``(logits, loss)``.
     The learning rate warms up as nanoGPT's ``train.py`` warms it up."""

@@ -8,9 +8,9 @@ which may recompute) runs, ``DocumentMasks`` gives the model's own calls what a 
 - ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` over the batch's sequences (nanoGPT, LitGPT, Hugging
   Face's ``sdpa`` attention, the reference models) attends within each document: each token to the tokens before it
   in its own document, SDPA's causal kernel run on each document's slice alone (``attention_per_document``);
-- position embeddings looked up at ``arange`` positions (nanoGPT's ``wpe(arange(t))``, GPT-2's) are looked up at the
-  positions within each document, from 0 after each end token. Rotary positions need nothing: within a document,
-  attention depends on positions' differences only;
+- absolute positions (nanoGPT's ``wpe(arange(t))``, a learned table's first rows, sinusoids in a buffer) are read at
+  the positions within each document, from 0 after each end token (``document_positions.py``). Rotary positions need
+  nothing: within a document, attention depends on positions' differences only;
 - attention it cannot reach is refused, never left causal across documents: a mask the model builds itself, or a
   step over several documents in which no attention call was seen (scores by hand, a kernel of its own).
 
@@ -39,12 +39,12 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointError
 
-from lightdist.dataflow import expanded_index
 from lightdist.parallel.document_attention import (
     attention_per_document,
     compiled_attention_per_document,
     document_lengths,
 )
+from lightdist.parallel.document_positions import DocumentPositions, replicated_like
 from lightdist.parallel.loss_tokens import IGNORE_INDEX
 from lightdist.parallel.sharding import local_tensor
 
@@ -99,10 +99,11 @@ class SequenceSplit(Protocol):
 
 
 class DocumentMasks:
-    """The documents of each step's batch, ended by ``end_token``, and the mode that confines attention to them."""
+    """The documents of each step's batch, ended by ``end_token``, and the mode that confines attention to them;
+    ``model``'s buffers are the tables of fixed positions it may read (``document_positions.py``)."""
 
-    def __init__(self, end_token: int, mask_end_loss: bool = False) -> None:
-        self.end_token, self.mask_end_loss = end_token, mask_end_loss
+    def __init__(self, end_token: int, mask_end_loss: bool = False, model: nn.Module | None = None) -> None:
+        self.end_token, self.mask_end_loss, self.model = end_token, mask_end_loss, model
         self.tokens: Tensor | None = None  # (batch, sequence) of the step's token ids
         self.ids: Tensor | None = None  # (batch, sequence): each token's document, from ``tokens``
         # Whether an attention call was given the documents' mask since the step began: set, never read, in compiled
@@ -328,11 +329,13 @@ def check_end_token(end_token: int, data: Any) -> None:
 
 
 @contextmanager
-def attention_within_documents(tokens: Tensor, end_token: int, mask_end_loss: bool = False) -> Iterator[DocumentMasks]:
-    """Run a model on ``tokens`` (or its inputs ``tokens[:, :-1]``) with attention confined to each document, and
-    with ``mask_end_loss`` the end tokens' predictions left out of its cross-entropy, as the strategy's
+def attention_within_documents(
+    model: nn.Module, tokens: Tensor, end_token: int, mask_end_loss: bool = False
+) -> Iterator[DocumentMasks]:
+    """Run ``model`` on ``tokens`` (or its inputs ``tokens[:, :-1]``) with attention and positions confined to each
+    document, and with ``mask_end_loss`` the end tokens' predictions left out of its cross-entropy, as the strategy's
     ``document_end_token`` and ``mask_document_end_loss`` do for every step: for a model used outside a Trainer."""
-    documents = DocumentMasks(end_token, mask_end_loss)
+    documents = DocumentMasks(end_token, mask_end_loss, model)
     documents.see(tokens)
     with documents.active():
         yield documents
@@ -346,15 +349,14 @@ class DocumentMode(TorchFunctionMode):
     def __init__(self, documents: DocumentMasks) -> None:
         super().__init__()
         self.documents = documents
+        self.positions = DocumentPositions(documents.positions_of, documents.model)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)
-        if func is F.embedding:
-            return self._embedding(*args, **kwargs)
-        if func in _TABLE_READS and (rows := self._table_rows(func, args, kwargs)) is not None:
-            return rows
+        if func in DocumentPositions.OPS and (out := self.positions(func, args, kwargs)) is not NotImplemented:
+            return out
         if func in _BACKWARD:
             return self._backward(func, args, kwargs)
         if func in _LOSSES and self.documents.mask_end_loss:
@@ -380,7 +382,7 @@ class DocumentMode(TorchFunctionMode):
             )
         kept = target.masked_fill(ends, ignore_index)
         self.documents.loss_counts.append((kept != ignore_index).sum())
-        call.arguments["target"] = _replicated_like(kept, call.arguments["target"])
+        call.arguments["target"] = replicated_like(kept, call.arguments["target"])
         return loss(*call.args, **call.kwargs)
 
     def _backward(self, backward: Any, args: tuple, kwargs: dict) -> Any:
@@ -418,61 +420,8 @@ class DocumentMode(TorchFunctionMode):
             )
         return self.documents.attention(query, key, value, dropout_p=dropout_p, **options)
 
-    def _embedding(self, indices: Tensor, weight: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        positions = self.documents.positions_of(local_tensor(indices))
-        if positions is not None:  # a table of positions, looked up per document
-            indices = _replicated_like(positions, indices)
-        return F.embedding(indices, weight, *args, **kwargs)
-
-    def _table_rows(self, func: Any, args: tuple, kwargs: dict) -> Tensor | None:
-        """A learned position table's rows at the positions within their documents, where the model takes the rows of
-        its tokens' positions from an ``nn.Parameter`` of (1, positions, width) or (positions, width): the first ``t``
-        (minGPT's ``pos_emb[:, :t, :]``, or ``pos_emb[:t]`` added by broadcasting), or under context parallelism a
-        rank's share's (``index_select``). A 2-D table's rows become (batch, t, width): each row has its documents."""
-        table = args[0]
-        if not (isinstance(table, nn.Parameter) and (table.dim() == 2 or (table.dim() == 3 and table.size(0) == 1))):
-            return None
-        rows_dim = table.dim() - 2
-        if func is Tensor.__getitem__:
-            length = _first_rows(args[1], table.dim())
-            indices = None if length is None else torch.arange(length, device=table.device)
-        else:
-            dim, indices = (*args[1:], kwargs.get("dim"), kwargs.get("index"))[:2]
-            indices = indices if dim == rows_dim else None
-        positions = None if indices is None else self.documents.positions_of(indices)
-        if positions is None:
-            return None
-        rows = local_tensor(table)[0] if table.dim() == 3 else local_tensor(table)
-        return _replicated_like(F.embedding(positions, rows), table)
-
 
 # The losses whose targets ``mask_end_loss`` reads.
 _LOSSES = {F.cross_entropy, F.nll_loss}
 # Where a step's backward starts, under which the model may recompute its blocks.
 _BACKWARD = {Tensor.backward, torch.autograd.backward, torch.autograd.grad}
-# How a model may read a learned table of positions by rows.
-_TABLE_READS = {Tensor.__getitem__, Tensor.index_select, torch.index_select}
-
-
-def _first_rows(index: Any, dims: int) -> int | None:
-    """``t``, where ``index`` takes the first ``t`` rows of a table of positions of ``dims`` dimensions, its others
-    whole: ``[:t]`` of (positions, width), ``[:, :t]`` or ``[:, :t, :]`` of (1, positions, width)."""
-    index = expanded_index(index, dims)
-    if len(index) != dims or not all(isinstance(part, slice) for part in index):
-        return None
-    whole, rows = slice(None), index[dims - 2]
-    if any(part != whole for d, part in enumerate(index) if d != dims - 2):
-        return None
-    if rows.start not in (None, 0) or rows.step not in (None, 1):
-        return None
-    return rows.stop if isinstance(rows.stop, int) else None
-
-
-def _replicated_like(local: Tensor, like: Tensor) -> Tensor:
-    """``local``, a tensor every rank computes whole, held as ``like`` is: a replicated DTensor where ``like`` is one
-    (tensor parallelism's)."""
-    if not isinstance(like, DTensor):
-        return local
-    if not all(placement.is_replicate() for placement in like.placements):
-        raise ValueError(f"document_end_token: positions split over ranks ({like.placements}) are not supported yet.")
-    return DTensor.from_local(local, like.device_mesh, like.placements)
