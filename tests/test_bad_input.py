@@ -376,6 +376,25 @@ def test_a_checkpoint_of_another_model_lists_every_difference(errors_on_two_rank
     assert "and 3 more. Load it into the model it was saved from" in more_blocks
 
 
+def fit_model_positions_without_sequence_parallel() -> None:
+    strategy = ParallelStrategy(tensor_parallel_size=2, sequence_parallel=False)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False)
+    windows = DataLoader(torch.zeros(4, 17, dtype=torch.long), batch_size=2)
+    trainer.fit(MODELS["zoo_nanogpt_sliced_positions"](learning_rate=1e-3, warmup_steps=1), train_dataloaders=windows)
+
+
+@pytest.mark.multirank
+def test_a_models_own_parameters_need_sequence_parallelism_under_tensor_parallelism(
+    errors_on_two_ranks: dict[str, str],
+) -> None:
+    """minGPT's ``pos_emb``, a parameter of the model itself beside the blocks, becomes a DTensor, which the
+    embeddings' local outputs cannot be added to; with sequence parallelism (the default) the stream is a DTensor too,
+    and the run equals one process (``tests/test_documents.py``)."""
+    error = errors_on_two_ranks["model_positions_without_sequence_parallel"]
+    assert "GPT holds parameters of its own (pos_emb) beside the modules it calls" in error
+    assert "Train with sequence_parallel=True" in error
+
+
 @pytest.fixture(scope="module")
 def errors_on_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """What each two-rank fit above raised, all in one pair of ranks."""
@@ -391,6 +410,7 @@ def errors_on_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
         fewer_wider_blocks=(fit_llama, ({"n_layers": 3, "ffn_dim": 192}, PIPELINE, checkpoint)),
         more_blocks=(fit_llama, ({"n_layers": 5}, PIPELINE, checkpoint)),
         heads_for_all_to_all=(fit_llama, ({"n_heads": 1, "n_kv_heads": 1}, ALL_TO_ALL)),
+        model_positions_without_sequence_parallel=(fit_model_positions_without_sequence_parallel, ()),
     )
     calls = [(fit_llama, ({}, PIPELINE, None, checkpoint))] + [(raised, (fit, *args)) for fit, args in fits.values()]
     (_, *errors), _ = run_ranks(2, run_each, calls)

@@ -415,6 +415,8 @@ CASES = {
     # whole sequences are masked as one process's; learned positions are looked up at a rank's share's.
     "zoo_nanogpt_cp2_ring": packed("zoo_nanogpt", CP2_RING),
     "zoo_nanogpt_sliced_positions_cp2_ring": packed("zoo_nanogpt_sliced_positions", CP2_RING),
+    # minGPT's table, a parameter of the model itself, replicated over the tensor-parallel ranks and read per document
+    "zoo_nanogpt_sliced_positions_tp2": packed("zoo_nanogpt_sliced_positions", dict(tensor_parallel_size=2)),
     "zoo_nanogpt_table_positions_zero3_dp2": packed("zoo_nanogpt_table_positions", dict(zero_stage=3)),
     # the tutorial's sinusoids, a buffer: added on the first stage (the whole copy the first step checks against holds
     # a buffer of its own), and a rank's share of its rows under context parallelism

@@ -72,6 +72,10 @@ class ReplicateParallel(ParallelStyle):
     where an input was one, else DTensors (the sequence-parallel residual stream, on which a norm runs on each rank's
     share of the sequence). Under sequence parallelism (``local_outputs=False``) they are always DTensors, so that a
     learned position embedding adds to that stream.
+
+    A module that holds submodules as well (minGPT's model, its learned ``pos_emb`` a parameter of its own) has its
+    own parameters replicated, and its calls left alone: its inputs made DTensors would make DTensors of everything
+    its forward computes from them, its targets too, beside the split modules' local outputs.
     """
 
     def __init__(self, *, local_outputs: bool = True) -> None:
@@ -79,6 +83,20 @@ class ReplicateParallel(ParallelStyle):
         self.local_outputs = local_outputs
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if any(True for _ in module.children()):
+            if self.local_outputs:
+                own = ", ".join(name for name, _ in module.named_parameters(recurse=False))
+                raise ValueError(
+                    f"tensor parallelism with sequence_parallel=False: {type(module).__name__} holds parameters of its "
+                    f"own ({own}) beside the modules it calls, which lightdist replicates as DTensors, and its forward "
+                    "would combine them with those modules' local outputs. Train with sequence_parallel=True (the "
+                    "default: the stream between blocks is a DTensor they add to), or hold them in a module of their "
+                    "own (an nn.Embedding of positions)."
+                )
+            for name, param in module.named_parameters(recurse=False):
+                replicated = distribute_tensor(param.data, device_mesh, [Replicate()])
+                module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+            return module
         distribute_module(module, device_mesh)
 
         def to_dtensors(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
