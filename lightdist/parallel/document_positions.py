@@ -81,7 +81,7 @@ class DocumentPositions:
             return NotImplemented
         indices, sequence_first = read
         learned = isinstance(table, nn.Parameter)
-        if not learned and (self.model is None or not any(table is buffer for buffer in self.model.buffers())):
+        if not learned and (torch.compiler.is_compiling() or not self._is_buffer(table)):  # tables are read eagerly
             return NotImplemented
         positions = self.positions_of(indices)
         if positions is None:
@@ -92,6 +92,11 @@ class DocumentPositions:
             return rows
         rows = F.embedding(positions, local_tensor(table).flatten(0, -2))
         return replicated_like(rows.transpose(0, 1) if sequence_first else rows, table)
+
+    def _is_buffer(self, tensor: Tensor) -> bool:
+        """Whether ``tensor`` is one of the model's buffers, as the model holds them now (a pipeline's check runs a
+        whole copy of it in its place)."""
+        return self.model is not None and any(tensor is buffer for buffer in self.model.buffers())
 
     def _added(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """A buffer's rows added to the batch's embeddings, (batch, t, width) or (t, batch, width) as the rows were
