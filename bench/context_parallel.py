@@ -21,6 +21,7 @@ each rank's attention by document; torchtitan also balances the ring's chunks by
     python bench/context_parallel.py                        # 4k, 8k and 16k tokens; cp 1, 2 and 4
     python bench/context_parallel.py --lengths 4096 --sizes 1 2 --repeats 1
     python bench/context_parallel.py --lengths 8192 16384 --sizes 2 --document 128
+    python bench/context_parallel.py --lengths 8192 --sizes 2 --document 128 --compile   # blocks compiled
     python bench/context_parallel.py --device cuda --precision bf16-mixed --dim 2048 --heads 16 --layers 4 \
         --lengths 16384 65536 --sizes 1 2
 """
@@ -124,6 +125,8 @@ def measure(rank: int, size: int, port: int, args: argparse.Namespace, results) 
         dist.init_process_group("gloo", timeout=timedelta(seconds=300))
         mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("cp",))["cp"]
     model = build(args, device)
+    for block in model.layers if args.compile else []:
+        block.compile()
     bf16 = args.precision == "bf16-mixed"
     for seq_len in args.lengths:
         windows = torch.randint(1, 256, (1, seq_len + 1), generator=torch.Generator().manual_seed(seq_len))
@@ -136,7 +139,8 @@ def measure(rank: int, size: int, port: int, args: argparse.Namespace, results) 
             if cp is not None and documents is not None:
                 cp.attend_within(documents)
             try:
-                step(model, windows[:, : 2 * 4 * size + 1], cp, bf16, documents)  # warm-up
+                warm_up = windows if args.compile else windows[:, : 2 * 4 * size + 1]  # compiled, at this length
+                step(model, warm_up, cp, bf16, documents)
                 runs = [step(model, windows, cp, bf16, documents) for _ in range(args.repeats)]
             except torch.OutOfMemoryError:
                 model.zero_grad(set_to_none=True)
@@ -173,6 +177,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--document", type=int, help="tokens per packed document, its end token included")
+    parser.add_argument("--compile", action="store_true", help="compile each block (the warm-up step compiles)")
     parser.add_argument("--size-timeout", type=float, default=600.0, help="seconds for all lengths at one size")
     args = parser.parse_args()
     context = mp.get_context("spawn")

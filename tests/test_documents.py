@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lightdist.models import TokenDataModule
 from lightdist.models.data import ARITHMETIC_ALPHABET, arithmetic_corpus
-from lightdist.parallel.document_attention import attention_per_document
+from lightdist.parallel.document_attention import attention_per_document, compiled_attention_per_document
 from lightdist.parallel.documents import (
     DocumentMasks,
     attention_within_documents,
@@ -101,6 +101,13 @@ def test_attention_per_document_is_the_block_causal_mask_without_it() -> None:
     keys, values = key[:, :, :45], value[:, :, :45]
     chunk = attention_per_document(query[:, :, 20:45], keys, values, [[10, 31, 23], [64]], start=20, **options)
     torch.testing.assert_close(chunk, dense[:, :, 20:45], rtol=1e-6, atol=1e-6)
+    # the same chunk as a compiled block's one op over the keys' document ids, and its backward
+    op = compiled_attention_per_document(query[:, :, 20:45], keys, values, ids[:, :45], start=20, **options)
+    torch.testing.assert_close(op, chunk, rtol=0, atol=0)
+    dense = F.scaled_dot_product_attention(query, key, value, mask, **options)[:, :, 20:45]
+    pulled = [torch.autograd.grad(out.square().sum(), (query, key, value)) for out in (op, dense)]
+    for op_gradient, dense_gradient in zip(*pulled, strict=True):
+        torch.testing.assert_close(op_gradient, dense_gradient, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

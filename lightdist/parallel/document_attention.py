@@ -75,52 +75,64 @@ def _spans(counts: list[int], start: int, stop: int) -> list[tuple[int, int, int
 
 
 def compiled_attention_per_document(
-    query: Tensor, key: Tensor, value: Tensor, ids: Tensor, scale: float | None = None, enable_gqa: bool = False
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    ids: Tensor,
+    start: int = 0,
+    scale: float | None = None,
+    enable_gqa: bool = False,
 ) -> Tensor:
-    """``attention_per_document`` as a compiled block calls it: one op over the documents' ``ids`` (batch, sequence),
-    without dropout, which its backward, running the forward again, would not draw alike."""
-    return torch.ops.lightdist.attention_within_documents(query, key, value, ids, scale, enable_gqa)
+    """``attention_per_document`` as a compiled block calls it: one op over the documents' ``ids`` (batch, the keys'
+    positions), without dropout, which its backward, running the forward again, would not draw alike. The queries may
+    be those of positions from ``start`` on (a chunk of context parallelism's ring), the same for every batch."""
+    return torch.ops.lightdist.attention_within_documents(query, key, value, ids, start, scale, enable_gqa)
 
 
 @torch.library.custom_op("lightdist::attention_within_documents", mutates_args=())
 def _attention_op(
-    query: Tensor, key: Tensor, value: Tensor, ids: Tensor, scale: float | None, enable_gqa: bool
+    query: Tensor, key: Tensor, value: Tensor, ids: Tensor, start: int, scale: float | None, enable_gqa: bool
 ) -> Tensor:
-    out = attention_per_document(query, key, value, document_lengths(ids), scale=scale, enable_gqa=enable_gqa)
+    out = attention_per_document(query, key, value, document_lengths(ids), start, scale=scale, enable_gqa=enable_gqa)
     return out.contiguous()
 
 
 @_attention_op.register_fake
-def _(query: Tensor, key: Tensor, value: Tensor, ids: Tensor, scale: float | None, enable_gqa: bool) -> Tensor:
+def _(query: Tensor, key: Tensor, value: Tensor, *options: object) -> Tensor:  # ids, start, scale, enable_gqa
     return query.new_empty((*query.shape[:-1], value.size(-1)))
 
 
 @torch.library.custom_op("lightdist::attention_within_documents_backward", mutates_args=())
 def _attention_backward_op(
-    grad: Tensor, query: Tensor, key: Tensor, value: Tensor, ids: Tensor, scale: float | None, enable_gqa: bool
+    grad: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    ids: Tensor,
+    start: int,
+    scale: float | None,
+    enable_gqa: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     lengths = document_lengths(ids)
     _, pullback = torch.func.vjp(
-        lambda *qkv: attention_per_document(*qkv, lengths, scale=scale, enable_gqa=enable_gqa), query, key, value
+        lambda *qkv: attention_per_document(*qkv, lengths, start, scale=scale, enable_gqa=enable_gqa), query, key, value
     )
     return tuple(gradient.contiguous() for gradient in pullback(grad))
 
 
 @_attention_backward_op.register_fake
-def _(
-    grad: Tensor, query: Tensor, key: Tensor, value: Tensor, ids: Tensor, scale: float | None, enable_gqa: bool
-) -> tuple[Tensor, Tensor, Tensor]:
+def _(grad: Tensor, query: Tensor, key: Tensor, value: Tensor, *options: object) -> tuple[Tensor, Tensor, Tensor]:
     return tuple(tensor.new_empty(tensor.shape) for tensor in (query, key, value))
 
 
 def _keep_inputs(ctx, inputs: tuple, output: Tensor) -> None:
-    query, key, value, ids, ctx.scale, ctx.enable_gqa = inputs
+    query, key, value, ids, ctx.start, ctx.scale, ctx.enable_gqa = inputs
     ctx.save_for_backward(query, key, value, ids)
 
 
 def _backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-    gradients = _attention_backward_op(grad, *ctx.saved_tensors, ctx.scale, ctx.enable_gqa)
-    return (*gradients, None, None, None)
+    gradients = _attention_backward_op(grad, *ctx.saved_tensors, ctx.start, ctx.scale, ctx.enable_gqa)
+    return (*gradients, None, None, None, None)
 
 
 _attention_op.register_autograd(_backward, setup_context=_keep_inputs)

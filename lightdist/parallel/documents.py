@@ -189,6 +189,9 @@ class DocumentMasks:
         ``start`` on, over the keys of every position before their last: context parallelism's ring, each chunk of a
         rank's queries over the keys gathered up to it, at the cost of its documents' scores only."""
         self.attended = True
+        if torch.compiler.is_compiling():
+            ids = self.ids_for(length).narrow(1, 0, key.size(-2))
+            return compiled_attention_per_document(query, key, value, ids, start, **options)
         return attention_per_document(query, key, value, self.lengths(length), start, **options)
 
     def loss_tokens(self, step_name: str) -> Tensor | None:

@@ -185,14 +185,14 @@ class SplitAttention(SplitSequences):
     ) -> Tensor:
         """Each of the rank's two chunks of queries over the keys up to its own end, under the causal mask: the half
         of the scores causal attention needs, for every rank alike; within packed documents, each document's queries
-        over its own keys alone (a compiled block masks instead: the documents' lengths would compile it anew for each
-        batch). Slices by ``narrow``, which the mode does not read as a shift of a share."""
+        over its own keys alone (in a compiled block, one op over their ids). Slices by ``narrow``, which the mode does
+        not read as a shift of a share."""
         whole_key, whole_value = self.gathered(key, 2), self.gathered(value, 2)
         chunk, length, gqa = query.size(2) // 2, query.size(2) * self.size, key.size(1) != query.size(1)
         documents = (
             self.documents if self.documents is not None and self.documents.ids_for(length) is not None else None
         )
-        sliced = documents is not None and key_bias is None and not torch.compiler.is_compiling()
+        sliced = documents is not None and key_bias is None
         outs = []
         for half, index in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
             end = (index + 1) * chunk

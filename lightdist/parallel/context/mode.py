@@ -50,7 +50,7 @@ class ContextParallelMode(TorchFunctionMode):
     def __init__(self, cp: SplitAttention, module: nn.Module) -> None:
         super().__init__()
         self.cp = cp
-        self.buffers = {id(buffer) for buffer in module.buffers()}
+        self.buffers = list(module.buffers())
         self.by_hand = AttentionByHand(cp)
         self.token_means = TokenMeans(cp)
 
@@ -170,8 +170,9 @@ class ContextParallelMode(TorchFunctionMode):
 
     def _is_table(self, tensor: Any) -> bool:
         """A buffer of the model, or a parameter whose rows follow one or more dimensions of one (a learned
-        ``pos_emb`` of shape (1, positions, width)): what positions may index."""
-        if id(tensor) in self.buffers:
+        ``pos_emb`` of shape (1, positions, width)): what positions may index. A buffer is told by ``is``: an
+        ``id()`` would be a guard of a compiled block on each new tensor it reads, which would compile it anew."""
+        if any(tensor is buffer for buffer in self.buffers):
             return True
         return isinstance(tensor, nn.Parameter) and tensor.dim() >= 2 and tensor.size(0) == 1
 

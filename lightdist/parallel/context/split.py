@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from functools import cache
 from typing import Any
 
 import torch.nn.functional as F
@@ -151,14 +152,13 @@ class ContextParallel(SplitAttention):
     def active(self) -> Iterator[None]:
         """Positions and attention of the split sequences, while a step or its backward (which may recompute) runs;
         a step whose model took its share of the sequence but attended by hand is refused once it returns."""
-        into_tensor_parallel = register_module_forward_pre_hook(shares_into_tensor_parallel_modules)
+        _hook_shares_into_tensor_parallel_modules()
         if self.documents is not None:  # their positions are the split's while it runs (a check's whole run is not)
             self.documents.split = self
         try:
             with ContextParallelMode(self, self.module):
                 yield
         finally:
-            into_tensor_parallel.remove()
             if self.documents is not None:
                 self.documents.split = None
         if self.local_lengths and not self.attended:
@@ -196,3 +196,11 @@ def _check_right_padded(attention_mask: Tensor, labels: Any) -> None:
             f"batch labels padding tokens. Label padding {IGNORE_INDEX} (DataCollatorForLanguageModeling does), or "
             "train with context_parallel_size=1."
         )
+
+
+@cache
+def _hook_shares_into_tensor_parallel_modules() -> None:
+    """Every module call in the process passes its inputs by ``shares_into_tensor_parallel_modules``, from a split's
+    first step on; it acts on a rank's shares alone, which exist only while a split is active. Registered once, not
+    per step: compiled blocks guard on the global hooks' ids, and a new id each step would compile them anew."""
+    register_module_forward_pre_hook(shares_into_tensor_parallel_modules)
