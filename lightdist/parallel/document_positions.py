@@ -157,8 +157,10 @@ def _indexed_rows(index: Any, table: Tensor, rows_dim: int, single: int | None) 
         if rows.start not in (None, 0) or rows.step not in (None, 1) or not isinstance(rows.stop, int):
             return None
         rows = torch.arange(rows.stop, device=table.device)
-    elif not (isinstance(rows, Tensor) and not rows.is_floating_point() and rows.dim() <= (2 if leading == 0 else 1)):
-        return None
+    else:
+        most_dims = 2 if leading == 0 and table.dim() == 2 else 1  # positions (1, t) index a 2-D table alone
+        if not isinstance(rows, Tensor) or rows.is_floating_point() or rows.dim() > most_dims:
+            return None
     kept = []
     for d, part in enumerate(index):
         whole = isinstance(part, slice) and part == slice(None)
