@@ -90,8 +90,7 @@ class DocumentPositions:
             rows = func(*args, **kwargs)
             self._buffer_rows[rows] = (table, positions)
             return rows
-        rows = F.embedding(positions, local_tensor(table).flatten(0, -2))
-        return replicated_like(rows.transpose(0, 1) if sequence_first else rows, table)
+        return replicated_like(_rows_at(table, positions, sequence_first), table)
 
     def _is_buffer(self, tensor: Tensor) -> bool:
         """Whether ``tensor`` is one of the model's buffers, as the model holds them now (a pipeline's check runs a
@@ -110,14 +109,19 @@ class DocumentPositions:
         read, embeddings = operands[at], operands[1 - at]
         table, positions = self._buffer_rows[read]
         sequence_first = read.dim() == 3 and read.size(1) == 1 and read.size(0) > 1
-        rows = F.embedding(positions, local_tensor(table).flatten(0, -2)).to(read.dtype)
-        rows = rows.transpose(0, 1) if sequence_first else rows
+        rows = _rows_at(table, positions, sequence_first).to(read.dtype)
         if not isinstance(embeddings, Tensor) or embeddings.shape != rows.shape:
             return NotImplemented
         operands[at] = replicated_like(rows, read)
         if len(args) < 2:
             return func(operands[0], *args[2:], **{**kwargs, "other": operands[1]})
         return func(*operands, *args[2:], **kwargs)
+
+
+def _rows_at(table: Tensor, positions: Tensor, sequence_first: bool) -> Tensor:
+    """``table``'s rows at ``positions`` (batch, t): (batch, t, width), or (t, batch, width) ``sequence_first``."""
+    rows = F.embedding(positions, local_tensor(table).flatten(0, -2))
+    return rows.transpose(0, 1) if sequence_first else rows
 
 
 def _rows_read(func: Any, args: tuple, kwargs: dict) -> tuple[Tensor, bool] | None:

@@ -286,7 +286,8 @@ class DocumentMasks:
     def same_document(self, length: int, queries: Tensor, keys: int) -> Tensor:
         """Whether each query of a call over the step's sequences of ``length`` tokens (``ids_for(length)`` is not
         ``None``; its positions ``queries``) is in the document of each of the first ``keys`` positions, as (batch, 1,
-        queries, keys): for attention that masks parts of the sequences (context parallelism's ring, compiled)."""
+        queries, keys): for attention that masks parts of the sequences (context parallelism's ring, with a key
+        bias)."""
         self.attended = True
         ids = self.ids_for(length)
         return (ids.index_select(1, queries).unsqueeze(-1) == ids[:, None, :keys]).unsqueeze(1)
