@@ -141,7 +141,8 @@ def parallel_results(world_size: int) -> dict[str, tuple[Result, Result]]:
     paired = {**MATCH_ONE_PROCESS[world_size], **MATCH_DATA_PARALLEL[world_size]}
     refused = REFUSED.get(world_size, {})
     cases = _with_twins(list(paired.values())) + [case for case, _ in refused.values()]
-    results = merge_stages(run_ranks(world_size, train_cases, cases, world_size))  # a pipeline rank holds its stage
+    # a pipeline rank holds its stage; the 8 ranks' group takes minutes on two cores
+    results = merge_stages(run_ranks(world_size, train_cases, cases, world_size, timeout=560))
     found = {name: (results[2 * index], results[2 * index + 1]) for index, name in enumerate(paired)}
     rest = results[2 * len(paired) :]
     return found | {name: (result, result) for name, result in zip(refused, rest, strict=True)}

@@ -38,12 +38,13 @@ from training import (
 )
 
 GROUPS = 3
-CASE = Case(strategy=dict(zero_stage=3), batch_size=6)  # 6 rows a rank: 2 for each of 3 groups, 3 for each of 2
+# 6 rows a rank: 2 for each of 3 groups, 3 for each of 2; steps enough for a group to be lost and its peers go on
+CASE = Case(strategy=dict(zero_stage=3), batch_size=6, steps=5)
 LONG = Case(strategy=dict(zero_stage=3), batch_size=6, steps=16)  # long enough for a group started again to join
-TP2 = Case(strategy=dict(zero_stage=3, tensor_parallel_size=2), batch_size=12)  # 4 rows for each of 3 groups, 6 of 2
-PP2 = Case(strategy=dict(zero_stage=3, pipeline_parallel_size=2, microbatches=2), batch_size=12)
+TP2 = Case(strategy=dict(zero_stage=3, tensor_parallel_size=2), batch_size=12, steps=5)  # 4 rows for 3 groups, 6 for 2
+PP2 = Case(strategy=dict(zero_stage=3, pipeline_parallel_size=2, microbatches=2), batch_size=12, steps=5)
 # Hugging Face Llama fine-tuned on collated, padded batches labelled -100 where padded: each step weighs by its tokens
-HF_PADDED = Case(strategy=dict(zero_stage=3), model="zoo_hf_llama_finetuning", data="padded", batch_size=6)
+HF_PADDED = Case(strategy=dict(zero_stage=3), model="zoo_hf_llama_finetuning", data="padded", batch_size=6, steps=5)
 REFERENCES = References([case.reference(world_size=2) for case in (CASE, LONG, TP2, PP2, HF_PADDED)])
 
 

@@ -430,7 +430,8 @@ class Case:
 
     strategy: dict[str, Any] | None = None
     model: str = "llama"
-    steps: int = 5
+    # the first step from the initial weights, then two on the optimizer's state: each a loss, a gradient norm
+    steps: int = 3
     batch_size: int = 4  # per data-parallel rank
     global_batch_size: int | None = None  # over all data-parallel ranks, in place of batch_size
     seq_len: int = 32
