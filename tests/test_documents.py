@@ -426,8 +426,10 @@ CASES = {
     "zoo_nanogpt_sliced_positions_tp2": packed("zoo_nanogpt_sliced_positions", dict(tensor_parallel_size=2)),
     "zoo_nanogpt_table_positions_zero3_dp2": packed("zoo_nanogpt_table_positions", dict(zero_stage=3)),
     # the tutorial's sinusoids, a buffer: added on the first stage (the whole copy the first step checks against holds
-    # a buffer of its own), and a rank's share of its rows under context parallelism
+    # a buffer of its own), a rank's share of its rows under context parallelism, and replicated over the
+    # tensor-parallel ranks, added to the sequence-parallel stream
     "zoo_nanogpt_sinusoidal_positions_pp2": packed("zoo_nanogpt_sinusoidal_positions", PP2),
+    "zoo_nanogpt_sinusoidal_positions_tp2": packed("zoo_nanogpt_sinusoidal_positions", dict(tensor_parallel_size=2)),
     "zoo_nanogpt_sinusoidal_positions_cp2_ring": packed("zoo_nanogpt_sinusoidal_positions", CP2_RING),
     "llama_cp2_ring_full_checkpointing": packed("llama", dict(CP2_RING, activation_checkpointing="full")),
     "zoo_litgpt_cp2_all_to_all": packed("zoo_litgpt", CP2_ALL_TO_ALL),

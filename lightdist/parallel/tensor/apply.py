@@ -14,6 +14,7 @@ from torch.distributed.tensor import (
     Partial,
     Replicate,
     Shard,
+    distribute_tensor,
 )
 from torch.distributed.tensor.parallel import (
     ParallelStyle,
@@ -93,6 +94,8 @@ def apply_tensor_parallel(
     if sequence_parallel:
         parallel_plan.update(dict.fromkeys(_column_parallel_parents(stack, plan), ReplicateInputs()))
     parallelize_module(model, tp_mesh, parallel_plan)
+    if sequence_parallel:
+        _replicate_position_tables(model, stack, tp_mesh)
     for owner, user in tied:
         # Parallelising each module gave the shared weight two DTensors; both are split by vocabulary, so one serves.
         holder, _, name = user.rpartition(".")
@@ -102,6 +105,25 @@ def apply_tensor_parallel(
         if stack.contains(name) and not _inside(name, list(units)):
             set_heads_per_rank(module, attention_heads(module), tp)
     _run_moe_blocks_whole(model)
+
+
+def _replicate_position_tables(model: nn.Module, stack: DecoderStack, tp_mesh: DeviceMesh) -> None:
+    """Fixed positions held in a buffer outside the blocks, of the embeddings' width (the sinusoids of PyTorch's
+    ``PositionalEncoding``, ``x + self.pe[:t]``): replicated DTensors, as a learned table of positions is, for they are
+    added to the sequence-parallel stream, a DTensor. Buffers of other widths (rotary tables, masks) stay plain: the
+    blocks read them on each rank's local heads."""
+    widths = {module.embedding_dim for module in model.modules() if isinstance(module, nn.Embedding)}
+
+    def is_table(buffer: Tensor) -> bool:  # (positions, width), (1, positions, width) or (positions, 1, width)
+        rows = buffer.dim() == 2 or (buffer.dim() == 3 and 1 in buffer.shape[:2])
+        return rows and buffer.is_floating_point() and buffer.size(-1) in widths and not isinstance(buffer, DTensor)
+
+    for name, module in model.named_modules():
+        if stack.contains(name):
+            continue
+        for buffer_name, buffer in module.named_buffers(recurse=False):
+            if is_table(buffer):
+                setattr(module, buffer_name, distribute_tensor(buffer, tp_mesh, [Replicate()]))
 
 
 def block_units(stack: DecoderStack, plan: dict[str, TensorParallelStyle]) -> dict[str, str]:
