@@ -1,5 +1,5 @@
 """What losing a rank costs: replica groups (torchft) against a torchrun restart from the newest checkpoint, on the
-same job (the tiny Llama, ZeRO-3, 6 CPU ranks: 3 groups of 2, or one torchrun of 6).
+same job (the tiny Llama, ZeRO-3, 6 CPU ranks: 3 groups of 2, or one torchrun of 6; ``--groups`` for another count).
 
 A rank SIGKILLs itself between the forward and backward of the step after ``--kill-at``. Replica groups: the other
 two groups go on in the same processes, and the lost group is started again (a new torchrun) and rejoins with the
@@ -67,10 +67,10 @@ class StepLog(Callback):
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One launch's ranks (under torchrun): a replica group of 2, or the whole job of 6."""
+    """One launch's ranks (under torchrun): a replica group of 2, or the whole job of 2 a group."""
     seed_everything(1234)
     in_groups = args.launch != "job"
-    replicas = ReplicaGroups(group=args.launch, groups=3, timeout=20) if in_groups else None
+    replicas = ReplicaGroups(group=args.launch, groups=args.groups, timeout=20) if in_groups else None
     callbacks: list[Callback] = [StepLog(args.log, args.launch, args.kill_at, args.kill_launch, args.pace)]
     if not in_groups:
         callbacks.append(ModelCheckpoint(dirpath=args.checkpoints, every_n_train_steps=args.save_every, save_last=True))
@@ -105,7 +105,7 @@ def torchrun(
         str(args.steps),
     ]
     options += ["--kill-at", str(args.kill_at), "--kill-launch", args.kill_launch, "--save-every", str(args.save_every)]
-    options += ["--pace", str(args.pace)]
+    options += ["--pace", str(args.pace), "--groups", str(args.groups)]
     return subprocess.Popen(
         [*command, f"--max-restarts={restarts}", __file__, "worker", *options],
         env={**os.environ, "OMP_NUM_THREADS": "1", **env},
@@ -115,25 +115,25 @@ def torchrun(
 
 
 def replica_groups(args: argparse.Namespace) -> dict[str, float]:
-    """3 groups of 2 ranks; group-1 loses a rank and is started again once its torchrun has ended."""
+    """``--groups`` groups of 2 ranks; group-1 loses a rank and is started again once its torchrun has ended."""
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=1_000)
     env = {"TORCHFT_LIGHTHOUSE": lighthouse.address()}
-    launches = [torchrun(2, 29600 + g, f"group-{g}", args, 0, **env) for g in range(3)]
+    launches = [torchrun(2, 29600 + g, f"group-{g}", args, 0, **env) for g in range(args.groups)]
     launches[1].wait()
     started_again = time.time()
     launches[1] = torchrun(2, 29601, "group-1", args, 0, **env)
     codes = [launch.wait() for launch in launches]
     lighthouse.shutdown()
-    if codes != [0, 0, 0]:
+    if any(codes):
         raise RuntimeError(f"a replica group failed: exit codes {codes} (group-1's: its replacement's)")
     return summary(read(args.log), args.steps, started_again)
 
 
 def torchrun_restart(args: argparse.Namespace) -> dict[str, float]:
-    """One torchrun of 6 ranks, restarted by its agent, resuming from the newest checkpoint."""
-    if torchrun(6, 29610, "job", args, 1).wait():
+    """One torchrun of the groups' ranks, restarted by its agent, resuming from the newest checkpoint."""
+    if torchrun(2 * args.groups, 29610, "job", args, 1).wait():
         raise RuntimeError("the restarted job failed")
     return summary(read(args.log), args.steps)
 
@@ -176,6 +176,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--pace", type=float, default=0.5, help="seconds each step takes beyond its compute")
     parser.add_argument("--kill-at", type=int, default=13)
+    parser.add_argument("--groups", type=int, default=3, help="replica groups of 2 ranks (torchrun: all their ranks)")
     parser.add_argument("--save-every", type=int, default=5)
     parser.add_argument("--launch", default="job")
     parser.add_argument("--kill-launch", default="group-1")
