@@ -67,7 +67,7 @@ class StepLog(Callback):
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One launch's ranks (under torchrun): a replica group of 2, or the whole job of 2 a group."""
+    """One launch's ranks (under torchrun): a replica group of 2, or the whole job (2 ranks a group)."""
     seed_everything(1234)
     in_groups = args.launch != "job"
     replicas = ReplicaGroups(group=args.launch, groups=args.groups, timeout=20) if in_groups else None

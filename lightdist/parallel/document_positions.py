@@ -28,7 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from lightdist.dataflow import expanded_index
 from lightdist.parallel.sharding import local_tensor
 
-__all__ = ["DocumentPositions", "replicated_like"]
+__all__ = ["DocumentPositions", "is_position_table", "replicated_like"]
 
 # How a model reads a table of positions by rows.
 _TABLE_READS = {Tensor.__getitem__, Tensor.index_select, torch.index_select, Tensor.narrow, torch.narrow}
@@ -118,6 +118,12 @@ class DocumentPositions:
         return func(*operands, *args[2:], **kwargs)
 
 
+def is_position_table(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is shaped as a table of positions: (positions, width), (1, positions, width) or sequence-first
+    (positions, 1, width), of floating point."""
+    return tensor.is_floating_point() and (tensor.dim() == 2 or (tensor.dim() == 3 and 1 in tensor.shape[:2]))
+
+
 def _rows_at(table: Tensor, positions: Tensor, sequence_first: bool) -> Tensor:
     """``table``'s rows at ``positions`` (batch, t): (batch, t, width), or (t, batch, width) ``sequence_first``."""
     rows = F.embedding(positions, local_tensor(table).flatten(0, -2))
@@ -129,11 +135,9 @@ def _rows_read(func: Any, args: tuple, kwargs: dict) -> tuple[Tensor, bool] | No
     (positions, 1, width), where it reads rows only, its other dimensions whole (or a dimension of 1 dropped): the
     indices, and whether the rows come sequence-first (a dimension of 1 after them); ``None`` for any other read."""
     table = args[0]
-    if not isinstance(table, Tensor) or table.dim() not in (2, 3) or not table.is_floating_point():
+    if not isinstance(table, Tensor) or not is_position_table(table):
         return None
     rows_dim, single = (0, None) if table.dim() == 2 else (1, 0) if table.size(0) == 1 else (0, 1)
-    if table.dim() == 3 and table.size(single) != 1:
-        return None
     if func is Tensor.__getitem__:
         return _indexed_rows(args[1], table, rows_dim, single)
     names = ("dim", "start", "length") if func in (Tensor.narrow, torch.narrow) else ("dim", "index")

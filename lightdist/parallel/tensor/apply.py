@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightdist.dataflow import tensors_in
+from lightdist.parallel.document_positions import is_position_table
 from lightdist.parallel.expert_parallel import moe_blocks
 from lightdist.parallel.pipeline.tied import tied_names
 from lightdist.parallel.structure import (
@@ -113,16 +114,11 @@ def _replicate_position_tables(model: nn.Module, stack: DecoderStack, tp_mesh: D
     added to the sequence-parallel stream, a DTensor. Buffers of other widths (rotary tables, masks) stay plain: the
     blocks read them on each rank's local heads."""
     widths = {module.embedding_dim for module in model.modules() if isinstance(module, nn.Embedding)}
-
-    def is_table(buffer: Tensor) -> bool:  # (positions, width), (1, positions, width) or (positions, 1, width)
-        rows = buffer.dim() == 2 or (buffer.dim() == 3 and 1 in buffer.shape[:2])
-        return rows and buffer.is_floating_point() and buffer.size(-1) in widths and not isinstance(buffer, DTensor)
-
     for name, module in model.named_modules():
         if stack.contains(name):
             continue
         for buffer_name, buffer in module.named_buffers(recurse=False):
-            if is_table(buffer):
+            if is_position_table(buffer) and buffer.size(-1) in widths and not isinstance(buffer, DTensor):
                 setattr(module, buffer_name, distribute_tensor(buffer, tp_mesh, [Replicate()]))
 
 
