@@ -16,11 +16,12 @@ loss, which each size computes alike. Each rank sends, per block and step:
 With ``--document N`` the sequence packs documents of N tokens (``document_end_token``: attention within each), and
 the last column says how even the ranks' work is: the busiest rank's CPU time in a step over the least busy's (on CPU
 ranks; a step's wall time is every rank's alike, as they wait for each other at each attention). Both methods slice
-each rank's attention by document; torchtitan also balances the ring's chunks by documents, which lightdist does not.
+each rank's attention by document, and deal the sequence's chunks out by the work their documents give them.
 
     python bench/context_parallel.py                        # 4k, 8k and 16k tokens; cp 1, 2 and 4
     python bench/context_parallel.py --lengths 4096 --sizes 1 2 --repeats 1
     python bench/context_parallel.py --lengths 8192 16384 --sizes 2 --document 128
+    python bench/context_parallel.py --lengths 16384 --sizes 2 4 --document 3000 --varied   # lengths drawn
     python bench/context_parallel.py --lengths 8192 --sizes 2 --document 128 --compile   # blocks compiled
     python bench/context_parallel.py --device cuda --precision bf16-mixed --dim 2048 --heads 16 --layers 4 \
         --lengths 16384 65536 --sizes 1 2
@@ -109,6 +110,19 @@ def step(
     return seconds, saved, peak, loss.item(), computing
 
 
+def document_ends(seq_len: int, document: int, varied: bool) -> Tensor:
+    """Where each packed document ends in a window of ``seq_len + 1`` tokens: every ``document`` tokens, or
+    ``varied``, after lengths drawn between a third and twice ``document`` (the first cut short, as a window cuts a
+    stream), seeded."""
+    if not varied:
+        return torch.arange(document - 1, seq_len + 1, document)
+    generator = torch.Generator().manual_seed(seq_len)
+    shortest = max(document // 3, 1)
+    lengths = torch.randint(shortest, 2 * document, (seq_len // shortest + 2,), generator=generator)
+    ends = lengths.cumsum(0) - lengths[0] // 2 - 1
+    return ends[(ends >= 0) & (ends <= seq_len)]
+
+
 def split(cp: ContextParallel | None, documents: DocumentMasks | None) -> ExitStack:
     """Attention within the ``documents`` (where given), then the split's, as lightdist's steps enter them."""
     stack = ExitStack()
@@ -131,7 +145,7 @@ def measure(rank: int, size: int, port: int, args: argparse.Namespace, results) 
     for seq_len in args.lengths:
         windows = torch.randint(1, 256, (1, seq_len + 1), generator=torch.Generator().manual_seed(seq_len))
         if args.document:
-            windows[:, args.document - 1 :: args.document] = END
+            windows[:, document_ends(seq_len, args.document, args.varied)] = END
         windows = windows.to(device)
         for method in METHODS if size > 1 else ("none",):
             cp = ContextParallel(mesh, method, model) if size > 1 else None
@@ -177,6 +191,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--document", type=int, help="tokens per packed document, its end token included")
+    parser.add_argument("--varied", action="store_true", help="documents between a third and twice --document long")
     parser.add_argument("--compile", action="store_true", help="compile each block (the warm-up step compiles)")
     parser.add_argument("--size-timeout", type=float, default=600.0, help="seconds for all lengths at one size")
     args = parser.parse_args()
@@ -205,6 +220,7 @@ def main() -> None:
                 print(f"cp={size}: a rank failed (exit code {process.exitcode})")
     one_rank = {seq_len: saved for seq_len, size, _, _, saved, *_ in rows if size == 1 and saved}
     packing = f", documents of {args.document} tokens" if args.document else ""
+    packing = f", documents of {args.document // 3} to {2 * args.document} tokens" if args.varied else packing
     print(f"{args.device}, {args.precision}, width {args.dim}, {args.heads} heads, {args.layers} blocks{packing}")
     print(
         "| tokens | cp | attention | step (s) | activations per rank (MiB) | x one rank's | peak (MiB) | loss | "

@@ -25,8 +25,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lightdist.models import Llama
 from lightdist.parallel.activation_checkpointing import apply_activation_checkpointing
-from lightdist.parallel.context import ContextParallel, load_balanced_positions
+from lightdist.parallel.context import ContextParallel, balanced_by_documents, load_balanced_positions
 from lightdist.parallel.context.sequence_shard import SequenceShard
+from lightdist.parallel.documents import DocumentMasks, document_ids, document_positions
 from lightdist.parallel.loss_tokens import labelled_tokens
 from lightdist.parallel.pipeline.traced import trace_stages
 from lightdist.plan.planner import Cluster, Layout, ModelShape, Training, estimate
@@ -299,6 +300,36 @@ def context_parallel_in_a_plain_loop() -> dict:
             results["llama_ring_compiled_blocks"] = one_process_and_split(compiled, again, shifted_loss, cp)
     except RuntimeError as error:
         results["llama_ring_compiled_blocks"] = str(error)
+    # Within packed documents the ring's chunks are dealt out by each batch's documents: the compiled blocks take the
+    # chunks' positions as a tensor, so a batch whose documents deal them otherwise compiles nothing anew either
+    documents = DocumentMasks(end_token=0, model=compiled)
+    cp = ContextParallel(mesh, "ring", compiled)
+    cp.attend_within(documents)
+
+    def loss_within_documents(model: nn.Module, batch: Tensor) -> Tensor:
+        with documents.active():
+            return shifted_loss(model, batch)
+
+    def packed(lengths: list[int]) -> Tensor:  # documents of these lengths, each ended by token 0
+        tokens = torch.randint(1, 64, (2, 65), generator=generator)
+        tokens[:, torch.tensor(lengths).cumsum(0) - 1] = 0
+        return tokens
+
+    dealt = []  # rank 0's positions, batch by batch
+    for lengths in ([40], [9, 30, 20]):
+        documents.see(packed(lengths))
+        one_process_and_split(compiled, documents.tokens, loss_within_documents, cp)
+        dealt.append(cp.positions(32).tolist())
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            documents.see(packed([5, 20, 10, 5]))
+            results["llama_ring_compiled_blocks_documents"] = one_process_and_split(
+                compiled, documents.tokens, loss_within_documents, cp
+            )
+            dealt.append(cp.positions(32).tolist())
+    except RuntimeError as error:
+        results["llama_ring_compiled_blocks_documents"] = str(error)
+    results["chunks_dealt_by_documents"] = dealt
 
     # Activation memory per rank: half of one process's, for a sequence twice as long as a rank holds
     long = torch.randint(0, 64, (1, 64), generator=generator)
@@ -406,12 +437,18 @@ def plain_loop() -> dict:
         "llama_shift_of_a_split_length",
         "llama_rolled_targets",
         "llama_ring_compiled_blocks",
+        "llama_ring_compiled_blocks_documents",
     ],
 )
 def test_half_of_each_sequence_per_rank_computes_what_one_process_computes(plain_loop: dict, name: str) -> None:
     assert isinstance(plain_loop[name], dict), plain_loop[name]  # or what the run raised
     assert plain_loop[name]["loss"] < 1e-5
     assert plain_loop[name]["gradients"] < 1e-4
+
+
+def test_each_batch_deals_the_chunks_by_its_own_documents(plain_loop: dict) -> None:
+    dealt = plain_loop["chunks_dealt_by_documents"]
+    assert len(dealt) == 3 and len({tuple(positions) for positions in dealt}) == 3
 
 
 @pytest.mark.parametrize("method", ["all_to_all", "ring"])
@@ -470,6 +507,34 @@ def test_each_rank_holds_a_chunk_from_each_end() -> None:
     assert load_balanced_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
     assert load_balanced_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
     assert sorted(torch.cat([load_balanced_positions(16, 4, r) for r in range(4)]).tolist()) == list(range(16))
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_within_long_packed_documents_the_chunks_are_dealt_by_their_documents_work(ranks: int) -> None:
+    """A query's attention within documents scores the keys from its document's start: with documents of 6000 tokens
+    in windows of 16k, the chunks from each end leave one rank 1.5x (4 ranks: 2x) the other's work; chunks dealt out
+    by it keep every rank within 8% of the others, each holding as many tokens, together the whole sequence."""
+    tokens = torch.ones(2, 16384, dtype=torch.long)
+    tokens[0, 5999::6000] = 0
+    tokens[1, 2999::6000] = 0  # the second sequence's documents cut elsewhere
+    ids = document_ids(tokens, end_token=0)
+    from_each_end = [load_balanced_positions(16384, ranks, rank) for rank in range(ranks)]
+    dealt = list(balanced_by_documents(ids, ranks))
+    assert busiest_over_least_busy(from_each_end, ids) > 1.25
+    assert busiest_over_least_busy(dealt, ids) < 1.08
+    assert all(len(positions) == 16384 // ranks for positions in dealt)
+    assert sorted(torch.cat(dealt).tolist()) == list(range(16384))
+    # one document a sequence: dealt as evenly as the chunks from each end
+    one_document = torch.zeros(1, 16384, dtype=torch.long)
+    assert busiest_over_least_busy(list(balanced_by_documents(one_document, ranks)), one_document) < 1.05
+
+
+def busiest_over_least_busy(held: list[Tensor], ids: Tensor) -> float:
+    """The most attention within documents a rank's ``held`` positions score over the least: each query's keys from
+    its document's start, summed over the sequences."""
+    work = (document_positions(ids) + 1).sum(0)
+    loads = [int(work[positions].sum()) for positions in held]
+    return max(loads) / min(loads)
 
 
 # A user's own fine-tuning script, as `python train.py` runs it under Lightning's own launcher: a Hugging Face Llama

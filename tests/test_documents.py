@@ -20,7 +20,10 @@ from torch import Tensor
 
 from lightdist.models import TokenDataModule
 from lightdist.models.data import ARITHMETIC_ALPHABET, arithmetic_corpus
-from lightdist.parallel.document_attention import attention_per_document, compiled_attention_per_document
+from lightdist.parallel.document_attention import (
+    attention_per_document,
+    compiled_attention_per_document,
+)
 from lightdist.parallel.documents import (
     DocumentMasks,
     attention_within_documents,
@@ -99,12 +102,17 @@ def test_attention_per_document_is_the_block_causal_mask_without_it() -> None:
     # a chunk of queries, positions 20 to 45 (context parallelism's ring), over the keys before its last: the second
     # document begun before the chunk attends over its keys from its beginning
     keys, values = key[:, :, :45], value[:, :, :45]
-    chunk = attention_per_document(query[:, :, 20:45], keys, values, [[10, 31, 23], [64]], start=20, **options)
+    lengths = [[10, 31, 23], [64]]
+    chunk = attention_per_document(query[:, :, 20:45], keys, values, lengths, torch.arange(20, 45), **options)
     torch.testing.assert_close(chunk, dense[:, :, 20:45], rtol=1e-6, atol=1e-6)
-    # the same chunk as a compiled block's one op over the keys' document ids, and its backward
-    op = compiled_attention_per_document(query[:, :, 20:45], keys, values, ids[:, :45], start=20, **options)
-    torch.testing.assert_close(op, chunk, rtol=0, atol=0)
-    dense = F.scaled_dot_product_attention(query, key, value, mask, **options)[:, :, 20:45]
+    # a rank's chunks of queries (positions 8 to 16 and 40 to 56) over the whole keys, as the ring's rank holds them
+    # where the documents dealt them, and as a compiled block's one op over the keys' document ids and the positions
+    positions = torch.cat([torch.arange(8, 16), torch.arange(40, 56)])
+    chunks = attention_per_document(query[:, :, positions], key, value, lengths, positions, **options)
+    torch.testing.assert_close(chunks, dense[:, :, positions], rtol=1e-6, atol=1e-6)
+    op = compiled_attention_per_document(query[:, :, positions], key, value, ids, positions, **options)
+    torch.testing.assert_close(op, chunks, rtol=0, atol=0)
+    dense = F.scaled_dot_product_attention(query, key, value, mask, **options)[:, :, positions]
     pulled = [torch.autograd.grad(out.square().sum(), (query, key, value)) for out in (op, dense)]
     for op_gradient, dense_gradient in zip(*pulled, strict=True):
         torch.testing.assert_close(op_gradient, dense_gradient, rtol=1e-5, atol=1e-5)

@@ -162,6 +162,18 @@ class DocumentMasks:
                 "F.scaled_dot_product_attention(q, k, v, is_causal=True); or train without document_end_token."
             )
 
+    def check_causal(self, attn_mask: Tensor | None, is_causal: bool) -> None:
+        """Refuse attention over the documents' sequences given a mask of its own (ALiBi's bias, padding) or
+        ``is_causal=False``: lightdist confines only the causal mask to each document."""
+        if attn_mask is not None or not is_causal:
+            raise ValueError(
+                f"document_end_token={self.end_token}: the model's attention passes "
+                f"{'a mask of its own' if attn_mask is not None else 'is_causal=False'} over the batch's sequences, "
+                "which lightdist cannot confine to each document. Call F.scaled_dot_product_attention(q, k, v, "
+                "is_causal=True) with no mask (Hugging Face models build none for a batch without padding), or train "
+                "without document_end_token."
+            )
+
     def attention(self, query: Tensor, key: Tensor, value: Tensor, **options: Any) -> Tensor:
         """Causal attention within the step's documents over its sequences (batch, heads, sequence, head dim): the
         model's own calls, through the mode, and context parallelism's all-to-all over the sequences it gathers.
@@ -182,17 +194,16 @@ class DocumentMasks:
             return compiled_attention_per_document(query, key, value, self.ids_for(query.size(-2)), **options)
         return _attention_eagerly(self, query, key, value, dropout_p=dropout_p, **options)
 
-    def attention_from(
-        self, length: int, start: int, query: Tensor, key: Tensor, value: Tensor, **options: Any
+    def attention_at(
+        self, length: int, positions: Tensor, query: Tensor, key: Tensor, value: Tensor, **options: Any
     ) -> Tensor:
-        """Causal attention within the documents of sequences of ``length`` tokens for the queries of positions from
-        ``start`` on, over the keys of every position before their last: context parallelism's ring, each chunk of a
-        rank's queries over the keys gathered up to it, at the cost of its documents' scores only."""
+        """Causal attention within the documents of sequences of ``length`` tokens for the queries at ``positions``
+        (runs of consecutive ones), over the whole sequences' keys: context parallelism's ring, a rank's chunks of
+        queries over the keys gathered, at the cost of their documents' scores only."""
         self.attended = True
         if torch.compiler.is_compiling():
-            ids = self.ids_for(length).narrow(1, 0, key.size(-2))
-            return compiled_attention_per_document(query, key, value, ids, start, **options)
-        return attention_per_document(query, key, value, self.lengths(length), start, **options)
+            return compiled_attention_per_document(query, key, value, self.ids_for(length), positions, **options)
+        return attention_per_document(query, key, value, self.lengths(length), positions, **options)
 
     def loss_tokens(self, step_name: str) -> Tensor | None:
         """The targets the step's one cross-entropy kept once the end tokens' predictions were left out, which its
@@ -282,15 +293,6 @@ class DocumentMasks:
         if length not in self._lengths:
             self._lengths[length] = document_lengths(self.ids[:, :length])
         return self._lengths[length]
-
-    def same_document(self, length: int, queries: Tensor, keys: int) -> Tensor:
-        """Whether each query of a call over the step's sequences of ``length`` tokens (``ids_for(length)`` is not
-        ``None``; its positions ``queries``) is in the document of each of the first ``keys`` positions, as (batch, 1,
-        queries, keys): for attention that masks parts of the sequences (context parallelism's ring, with a key
-        bias)."""
-        self.attended = True
-        ids = self.ids_for(length)
-        return (ids.index_select(1, queries).unsqueeze(-1) == ids[:, None, :keys]).unsqueeze(1)
 
     def positions_of(self, indices: Tensor) -> Tensor | None:
         """The positions within their documents of the tokens at ``indices``, where ``indices`` are the positions of
@@ -414,14 +416,7 @@ class DocumentMode(TorchFunctionMode):
         ids = self.documents.ids_for(query.size(-2), query.size(0)) if query.dim() == 4 else None
         if ids is None or key.size(-2) != query.size(-2):
             return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, **options)
-        if attn_mask is not None or not is_causal:
-            raise ValueError(
-                f"document_end_token={self.documents.end_token}: the model's attention passes "
-                f"{'a mask of its own' if attn_mask is not None else 'is_causal=False'} over the batch's sequences, "
-                "which lightdist cannot confine to each document. Call F.scaled_dot_product_attention(q, k, v, "
-                "is_causal=True) with no mask (Hugging Face models build none for a batch without padding), or train "
-                "without document_end_token."
-            )
+        self.documents.check_causal(attn_mask, is_causal)
         return self.documents.attention(query, key, value, dropout_p=dropout_p, **options)
 
 

@@ -10,7 +10,7 @@ positions), ``attention.py``, the ops, ``mode.py``, ``split.py``, ``check.py``.
 from lightdist.parallel.context.attention import ContextParallelMethod, auto_method
 from lightdist.parallel.context.check import check_split_step, parameters_of, probe_prefix, tolerance
 from lightdist.parallel.context.mode import ContextParallelMode
-from lightdist.parallel.context.sequences import load_balanced_positions
+from lightdist.parallel.context.sequences import balanced_by_documents, load_balanced_positions
 from lightdist.parallel.context.split import ContextParallel, context_parallel_over
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "ContextParallelMethod",
     "ContextParallelMode",
     "auto_method",
+    "balanced_by_documents",
     "check_split_step",
     "context_parallel_over",
     "load_balanced_positions",

@@ -3,7 +3,7 @@
 Two ways, as ``context_parallel_method`` picks:
 
 - ``"ring"``: the keys and values of every rank gathered (torch's ring attention in its default all-gather rotation,
-  Llama 3's context parallelism); each of the rank's two chunks of queries attends to the keys up to its own end, so a
+  Llama 3's context parallelism); each of the rank's chunks of queries attends to the keys up to its own end, so a
   rank computes only the causal half its chunks need, and a bias per key (ALiBi's) is added as it goes. Any head
   count; grouped-query keys and values travel unrepeated. Backward gathers them again and recomputes the attention
   (torch's SDPA returns no log-sum-exp to merge blocks by, nor saves one): a rank keeps its own keys and values only.
@@ -14,8 +14,9 @@ Both go through ``F.scaled_dot_product_attention`` and torch's collectives, so g
 hold each token by autograd. A mask the model built is read first: a causal mask by position is the causal mask, a
 bias per key is gathered, and any other mask is refused. With packed documents (``lightdist.parallel.documents``),
 attention stays within each: the all-to-all attends over the whole sequences it gathers within their documents, as one
-process does, and the ring attends each document's queries in a chunk over that document's keys alone (a compiled
-block masks the chunk by the documents of its positions and of the keys it sees).
+process does, and the ring attends each document's queries in the rank's chunks (which the documents' work dealt
+out, ``sequences.py``) over that document's keys alone (in a compiled block, one op over the keys' document ids and
+the queries' positions). A mask of the model's own over packed documents is refused, as one process refuses it.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ class SplitAttention(SplitSequences):
             local = (t.to_local() for t in (query, key, value))
             out = self.attention(*local, attn_mask, dropout_p, is_causal, scale, enable_gqa)
             return DTensor.from_local(out, query.device_mesh, query.placements)
+        if self.documents is not None and self.documents.ids_for(query.size(2) * self.size) is not None:
+            self.documents.check_causal(attn_mask, is_causal)  # as one process refuses them
         key_bias = None
         if attn_mask is not None:
             key_bias, is_causal = self.key_bias(attn_mask), True
@@ -184,29 +187,25 @@ class SplitAttention(SplitSequences):
         self, query: Tensor, key: Tensor, value: Tensor, scale: float | None, key_bias: Tensor | None
     ) -> Tensor:
         """Each of the rank's two chunks of queries over the keys up to its own end, under the causal mask: the half
-        of the scores causal attention needs, for every rank alike; within packed documents, each document's queries
-        over its own keys alone (in a compiled block, one op over their ids). Slices by ``narrow``, which the mode does
-        not read as a shift of a share."""
+        of the scores causal attention needs, for every rank alike. Within packed documents, the rank's chunks (as
+        the documents dealt them) each document's queries over its own keys alone (in a compiled block, one op over
+        their ids and the queries' positions). Slices by ``narrow``, which the mode does not read as a shift of a
+        share."""
         whole_key, whole_value = self.gathered(key, 2), self.gathered(value, 2)
-        chunk, length, gqa = query.size(2) // 2, query.size(2) * self.size, key.size(1) != query.size(1)
-        documents = (
-            self.documents if self.documents is not None and self.documents.ids_for(length) is not None else None
-        )
-        sliced = documents is not None and key_bias is None
+        local_len, gqa = query.size(2), key.size(1) != query.size(1)
+        length = local_len * self.size
+        if self.documents is not None and self.documents.ids_for(length) is not None:  # no key bias (attention)
+            positions = self.positions(local_len, query.device)
+            return self.documents.attention_at(
+                length, positions, query, whole_key, whole_value, scale=scale, enable_gqa=gqa
+            )
+        chunk = local_len // 2
         outs = []
         for half, index in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
             end = (index + 1) * chunk
             queries = query.narrow(2, half * chunk, chunk)
             keys, values = whole_key.narrow(2, 0, end), whole_value.narrow(2, 0, end)
-            if sliced:
-                outs.append(
-                    documents.attention_from(length, end - chunk, queries, keys, values, scale=scale, enable_gqa=gqa)
-                )
-                continue
             mask = torch.ones(chunk, end, dtype=torch.bool, device=query.device).tril(end - chunk)
-            if documents is not None:
-                positions = torch.arange(end - chunk, end, device=query.device)
-                mask = mask & documents.same_document(length, positions, end)
             if key_bias is not None:
                 mask = torch.where(mask, key_bias.narrow(-1, 0, end), torch.finfo(key_bias.dtype).min).to(query.dtype)
             outs.append(

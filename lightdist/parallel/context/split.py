@@ -3,7 +3,8 @@
 Attention's activations grow with the sequence, and tensor parallelism's sequence parallelism splits only the norms
 between blocks. Here every activation of a block is split along the sequence: N ranks each hold two of its 2N chunks,
 the i-th from the start and the i-th from the end, so that under the causal mask each has as much attention to compute
-(torchtitan's and Megatron's load balancing).
+(torchtitan's and Megatron's load balancing); within packed documents, finer chunks dealt out by their documents' work
+(``sequences.py``).
 
 Nothing in the user's step or model changes. While a step runs under ``ContextParallel.active``:
 
@@ -108,9 +109,12 @@ class ContextParallel(SplitAttention):
 
         A Hugging Face collator's batch (``input_ids``, ``labels``, ``attention_mask``) is first padded on the right
         to a length that splits (unlabelled padding changes no loss), and its ``attention_mask`` dropped where
-        attending causally is the same.
+        attending causally is the same. Within packed documents, their sequences' chunks are dealt out by the
+        documents' work (``balanced_by_documents``).
         """
         self.new_step()
+        if self.documents is not None and self.documents.ids is not None:
+            self.balance_by_documents(self.documents.ids)
         if isinstance(batch, Mapping) and isinstance(batch.get("labels"), Tensor):
             batch = type(batch)(self._padded_to_split(batch))
         return apply_to_collection(batch, Tensor, lambda t: SequenceShard(t, self) if t.dim() >= 2 else t)
