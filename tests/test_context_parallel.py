@@ -385,6 +385,18 @@ def context_parallel_in_a_plain_loop() -> dict:
     rwkv = hf_causal_lm("rwkv", vocab_size=64, hidden_size=64, num_hidden_layers=2, attention_hidden_size=64)
     falcon_eager = hf_causal_lm("falcon", **HF_TINY, new_decoder_architecture=False, alibi=True)
     falcon_eager.config._attn_implementation = "eager"
+    # ALiBi's bias, a mask of the model's own, over packed documents: refused, as one process refuses it
+    packed = torch.randint(1, 64, (2, 32), generator=generator)
+    packed[:, 9] = 0
+
+    def step_within_documents(model: nn.Module, batch: dict[str, Tensor], method: str) -> Tensor:
+        documents = DocumentMasks(end_token=0, model=model)
+        cp = ContextParallel(mesh, method, model)
+        cp.attend_within(documents)
+        documents.see(batch)
+        with documents.active(), cp.active():
+            return labels_loss(model, cp.shard_batch(batch))
+
     left_padded = dict(collated, attention_mask=kept.flip(-1).long())
     labelled_padding = dict(collated, labels=tokens[:, :38])
     results["errors"] = {
@@ -406,6 +418,12 @@ def context_parallel_in_a_plain_loop() -> dict:
         "hybrid_with_mamba": raised(step_on, jamba, collated),
         "token_shift": raised(step_on, rwkv, collated),
         "sequence_classification": raised(step_on, classifier, collated, "auto", sequence_classification),
+        **{
+            f"alibi_within_documents_{method}": raised(
+                step_within_documents, alibi, {"input_ids": packed, "labels": packed}, method
+            )
+            for method in ("ring", "all_to_all")
+        },
     }
     return results
 
@@ -495,6 +513,11 @@ def test_what_cannot_be_split_is_refused_with_the_way_out(plain_loop: dict) -> N
     assert "computes mean along the sequence of a tensor that holds this rank's share" in errors["per_sequence_mean"]
     assert "(2, 32)" in errors["per_sequence_mean"] and "loss.sum() / mask.sum()" in errors["per_sequence_mean"]
     assert "computes argmax along the sequence" in errors["sequence_classification"]
+    for method in ("ring", "all_to_all"):
+        assert (
+            "document_end_token=0: the model's attention passes a mask of its own"
+            in (errors[f"alibi_within_documents_{method}"])
+        )
     assert "computes conv1d along the sequence of a tensor that holds this rank's share" in errors["hybrid_with_mamba"]
     assert "computes pad along the sequence" in errors["token_shift"] and "RWKV's" in errors["token_shift"]
     assert (
