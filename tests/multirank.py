@@ -103,6 +103,7 @@ def _rank_main(
     # Two cores, up to eight ranks: one thread each keeps them from fighting over the cores.
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # where a rank is stuck, printed when run_ranks gives up
+    faulthandler.enable(all_threads=True)  # where a rank crashed (SIGSEGV), printed before it dies
     try:
         # Results travel as bytes: tensors sent as shared memory would vanish when this process exits.
         buffer = io.BytesIO()

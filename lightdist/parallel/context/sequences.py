@@ -122,17 +122,17 @@ class SplitSequences:
 
     def positions(self, local_len: int, device: torch.device | None = None) -> Tensor:
         """The positions in the whole sequence of this rank's ``local_len`` tokens."""
-        return self._positions(local_len * self.size, self.rank, device)
+        return self._positions(local_len * self.size, device)
 
-    def _positions(self, length: int, rank: int, device: torch.device | None) -> Tensor:
+    def _positions(self, length: int, device: torch.device | None) -> Tensor:
         if length not in self._balanced:
-            return load_balanced_positions(length, self.size, rank, device)
-        held = self._balanced[length][0].view(self.size, -1)[rank]
+            return load_balanced_positions(length, self.size, self.rank, device)
+        held = self._balanced[length][0].view(self.size, -1)[self.rank]
         return held if device is None else held.to(device)
 
     def local(self, whole: Tensor) -> Tensor:
         """This rank's tokens of ``whole`` (batch, sequence, ...)."""
-        positions = self._positions(whole.size(1), self.rank, whole.device)
+        positions = self._positions(whole.size(1), whole.device)
         self._split(whole.size(0), len(positions))
         return whole.index_select(1, positions)
 
