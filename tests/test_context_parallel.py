@@ -386,8 +386,8 @@ def context_parallel_in_a_plain_loop() -> dict:
     falcon_eager = hf_causal_lm("falcon", **HF_TINY, new_decoder_architecture=False, alibi=True)
     falcon_eager.config._attn_implementation = "eager"
     # ALiBi's bias, a mask of the model's own, over packed documents: refused, as one process refuses it
-    packed = torch.randint(1, 64, (2, 32), generator=generator)
-    packed[:, 9] = 0
+    two_documents = torch.randint(1, 64, (2, 32), generator=generator)
+    two_documents[:, 9] = 0
 
     def step_within_documents(model: nn.Module, batch: dict[str, Tensor], method: str) -> Tensor:
         documents = DocumentMasks(end_token=0, model=model)
@@ -420,7 +420,7 @@ def context_parallel_in_a_plain_loop() -> dict:
         "sequence_classification": raised(step_on, classifier, collated, "auto", sequence_classification),
         **{
             f"alibi_within_documents_{method}": raised(
-                step_within_documents, alibi, {"input_ids": packed, "labels": packed}, method
+                step_within_documents, alibi, {"input_ids": two_documents, "labels": two_documents}, method
             )
             for method in ("ring", "all_to_all")
         },

@@ -20,10 +20,7 @@ from torch import Tensor
 
 from lightdist.models import TokenDataModule
 from lightdist.models.data import ARITHMETIC_ALPHABET, arithmetic_corpus
-from lightdist.parallel.document_attention import (
-    attention_per_document,
-    compiled_attention_per_document,
-)
+from lightdist.parallel.document_attention import attention_per_document, compiled_attention_per_document
 from lightdist.parallel.documents import (
     DocumentMasks,
     attention_within_documents,

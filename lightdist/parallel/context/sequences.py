@@ -46,6 +46,8 @@ def balanced_by_documents(ids: Tensor, size: int) -> Tensor:
     positions for every sequence of the batch, so that every rank holds as many tokens of each, and the same on every
     rank, which sees the same batch."""
     length = ids.size(1)
+    # each token's position within its document, and the tokens after it there: what every way's scores are read from
+    within, left = document_positions(ids), document_positions(ids.flip(-1)).flip(-1)
     from_each_end = torch.empty(length, dtype=torch.long, device=ids.device)
     for rank in range(size):
         from_each_end[load_balanced_positions(length, size, rank, ids.device)] = rank
@@ -53,9 +55,9 @@ def balanced_by_documents(ids: Tensor, size: int) -> Tensor:
     for per_rank in (2, 4, 8):
         if length % (per_rank * size) == 0:
             chunk_of = torch.arange(length, device=ids.device) // (length // (per_rank * size))
-            rank_of_chunk = _dealt(_scores_by_owner(ids, chunk_of, per_rank * size).tolist(), size)
+            rank_of_chunk = _dealt(_scores_by_owner(within, left, chunk_of, per_rank * size).tolist(), size)
             candidates.append(torch.tensor(rank_of_chunk, device=ids.device)[chunk_of])
-    owner = min(candidates, key=lambda owner: int(_scores_by_owner(ids, owner, size).max()))
+    owner = min(candidates, key=lambda owner: int(_scores_by_owner(within, left, owner, size).max()))
     return torch.stack([(owner == rank).nonzero().flatten() for rank in range(size)])
 
 
@@ -69,20 +71,20 @@ def _dealt(work: list[int], size: int) -> list[int]:
     return rank_of_chunk
 
 
-def _scores_by_owner(ids: Tensor, owner: Tensor, owners: int) -> Tensor:
-    """The attention scores within documents each of ``owners`` computes, ``owner`` the one of each position, as
+def _scores_by_owner(within: Tensor, left: Tensor, owner: Tensor, owners: int) -> Tensor:
+    """The attention scores within documents each of ``owners`` computes, ``owner`` the one of each position of
+    sequences whose tokens stand at ``within`` their documents with ``left`` more tokens of them after, as
     ``attention_per_document`` runs its queries: each run of its consecutive positions at once, a document begun
     in the run under the causal kernel (a query's keys from its document's start), one begun before it under a mask
     over every key from the document's start to the run's last query of it."""
-    position = torch.arange(ids.size(1), device=ids.device)
-    within = document_positions(ids)
-    begins, ends = position - within, position + document_positions(ids.flip(-1)).flip(-1) + 1
+    position = torch.arange(within.size(1), device=within.device)
+    begins, ends = position - within, position + left + 1
     changes = torch.ones_like(owner, dtype=torch.bool)
     changes[1:] = owner[1:] != owner[:-1]
     run_begins = torch.where(changes, position, 0).cummax(0).values
-    run_ends = torch.where(changes.roll(-1), position + 1, ids.size(1)).flip(0).cummin(0).values.flip(0)
+    run_ends = torch.where(changes.roll(-1), position + 1, within.size(1)).flip(0).cummin(0).values.flip(0)
     scores = torch.where(begins < run_begins, torch.minimum(ends, run_ends) - begins, within + 1)
-    return torch.zeros(owners, dtype=scores.dtype, device=ids.device).index_add_(0, owner, scores.sum(0))
+    return torch.zeros(owners, dtype=scores.dtype, device=within.device).index_add_(0, owner, scores.sum(0))
 
 
 class SplitSequences:
