@@ -12,6 +12,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import random
 import signal
 import socket
 import sys
@@ -39,9 +40,21 @@ __all__ = ["free_port", "processes_left", "raised", "run_each", "run_ranks", "ru
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port nothing listens on, for a server a test starts next, drawn below the kernel's ephemeral range: a port
+    the kernel handed out (a bind to port 0) is free only until released, and the next connection or gloo socket of
+    any process may take it before the server binds it (one CI run: EADDRINUSE on rank 0's store). Each pytest-xdist
+    worker draws from its own share of the range, so two workers never draw the same port."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    first_ephemeral = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    share = (first_ephemeral - 10000) // workers
+    low = 10000 + worker * share
+    for port in random.SystemRandom().sample(range(low, low + share), 100):
+        with socket.socket() as sock, contextlib.suppress(OSError):
+            sock.bind(("", port))
+            return port
+    raise RuntimeError(f"no port free among 100 drawn from {low} to {low + share - 1}")
 
 
 def processes_left(variable: str, value: str, grace_s: float = 5) -> list[str]:
