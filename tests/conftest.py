@@ -57,9 +57,12 @@ def _process_left_as_found() -> Iterator[None]:
     """A test that trains in this process (``devices=1``) leaves what a later test's ``python train.py`` would
     inherit: LOCAL_RANK (its launcher then takes the processes as started by another and waits for a rank it never
     starts) and MASTER_PORT (a port this process's store still holds). A storage endpoint a strategy configured
-    would outlive the server it named. Each test leaves the process as it found it."""
+    would outlive the server it named. Each test leaves the process as it found it. Its ranks' store gets a port
+    ``free_port`` drew, which Lightning's launcher and ``python train.py`` take from MASTER_PORT, rather than one the
+    kernel handed out and released, which another process's next socket may take first."""
     storage_defaults = copy.deepcopy(fsspec.config.conf)
     with _restored(LAUNCH_VARIABLES):
+        os.environ["MASTER_PORT"] = str(free_port())
         yield
         if dist.is_initialized():
             dist.destroy_process_group()
