@@ -23,15 +23,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from ranks import moto_server, s3_bucket
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -174,47 +171,6 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@contextmanager
-def moto_server() -> Iterator[str]:
-    """moto's S3 server on a free port of 127.0.0.1, in its own process so it never competes for this one's GIL."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise RuntimeError(f"moto's S3 server did not start on 127.0.0.1:{port}") from None
-                time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-
-
-def s3_bucket(endpoint: str) -> str:
-    """A new bucket at ``endpoint``; the endpoint and test credentials go into the environment, where s3fs (in this
-    process and in DCP's upload process) finds them."""
-    os.environ.update({"AWS_ENDPOINT_URL": endpoint, "FSSPEC_S3_ENDPOINT_URL": endpoint})
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        os.environ.setdefault(name, "testing")
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    import s3fs  # here, so that a --local-only run needs no s3fs (the GPU machine has none)
-
-    name = f"lightdist-bench-{uuid.uuid4().hex[:8]}"
-    s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True).mkdir(name)
-    return f"s3://{name}"
-
-
 def run(args: argparse.Namespace, targets: dict[str, str]) -> SaveTimer:
     seed_everything(0)
     config = {"n_layers": args.layers} if args.layers else None
@@ -292,7 +248,8 @@ def main() -> None:
         with ExitStack() as servers:
             targets = {"local": scratch}  # first: its files are the source of every target's fs.put
             if not args.local_only:
-                targets["s3"] = s3_bucket(args.s3_endpoint or servers.enter_context(moto_server()))
+                endpoint = args.s3_endpoint or servers.enter_context(moto_server())
+                targets["s3"] = s3_bucket(endpoint, f"lightdist-bench-{uuid.uuid4().hex[:8]}")
             report(run(args, targets))
     finally:
         if args.local_dir is None:
