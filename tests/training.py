@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import transformers
 from fsspec import AbstractFileSystem
 from lightning.pytorch import Callback, LightningDataModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import Checkpoint
@@ -387,6 +388,10 @@ MODELS = {
     "zoo_hf_llama_finetuning": partial(
         zoo.HuggingFaceFineTuning, model_type="llama", num_key_value_heads=2, **zoo.HF_TINY
     ),
+    # Without a cache, as packed batches train: its mask keeps each document of a flattened batch to itself
+    "zoo_hf_llama_finetuning_packed": partial(
+        zoo.HuggingFaceFineTuning, model_type="llama", num_key_value_heads=2, use_cache=False, **zoo.HF_TINY
+    ),
     "zoo_hf_gpt2_finetuning": partial(zoo.HuggingFaceFineTuning, **zoo.HF_TINY_GPT2),
     "zoo_hf_llama_finetuning_own_loss": partial(
         zoo.HuggingFaceFineTuningOwnLoss, model_type="llama", num_key_value_heads=2, **zoo.HF_TINY
@@ -461,8 +466,8 @@ class Case:
             * strategy.get("pipeline_parallel_size", 1)
             * strategy.get("context_parallel_size", 1)
         )
-        # Padded batches weigh by their tokens across an accumulation too: one step on all its batches at once.
-        at_once = self.accumulate_grad_batches if self.data in ("padded", "varied") else 1
+        # Batches of documents weigh by their tokens across an accumulation too: one step on all its batches at once.
+        at_once = self.accumulate_grad_batches if self.data in ("padded", "varied", "flattened") else 1
         return Case(
             model=self.model,
             steps=self.steps,
@@ -524,10 +529,12 @@ class LoaderBatches(LightningDataModule):
     """Batches as people's loaders make them, from plain DataLoaders to which Lightning adds its distributed sampler:
     ``"collated"``, Hugging Face's collator over documents of one length (a ``BatchEncoding``); ``"padded"``, over
     documents of many lengths, padded per batch (to 24 tokens, nearly every batch); ``"varied"``, the same up to 40
-    tokens, so that batches differ in length; ``"pairs"``, a ``TensorDataset``'s ``(inputs, targets)``. With
+    tokens, so that batches differ in length; ``"flattened"``, the documents of many lengths packed into one row
+    without padding, positions restarting at each (``DataCollatorWithFlattening``, TRL's ``padding_free``);
+    ``"pairs"``, a ``TensorDataset``'s ``(inputs, targets)``. With
     ``sampled_as_ranks``, a single process draws the order that many ranks' samplers deal."""
 
-    FORMS = ("collated", "padded", "varied", "pairs")
+    FORMS = ("collated", "padded", "varied", "pairs", "flattened")
 
     def __init__(self, form: str, batch_size: int, seq_len: int, validate: bool, sampled_as_ranks: int | None) -> None:
         super().__init__()
@@ -544,10 +551,15 @@ class LoaderBatches(LightningDataModule):
         if self.form == "pairs":
             return zoo.pairs(512, self.seq_len, seed=seed)
         longest = 40 if self.form == "varied" else 24  # padded to each batch's longest: lengths that vary by batch
-        return zoo.documents(512, padded=self.form in ("padded", "varied"), seed=seed, longest=longest)
+        return zoo.documents(512, padded=self.form in ("padded", "varied", "flattened"), seed=seed, longest=longest)
 
     def _loader(self, dataset: Dataset, *, shuffle: bool) -> DataLoader:
-        collate = zoo.language_modelling_collator() if self.form != "pairs" else None
+        if self.form == "pairs":
+            collate = None
+        elif self.form == "flattened":
+            collate = transformers.DataCollatorWithFlattening()
+        else:
+            collate = zoo.language_modelling_collator()
         if self.sampled_as_ranks is None:
             return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, collate_fn=collate)
         order = ShardedOrder(dataset, self.sampled_as_ranks, self.batch_size // self.sampled_as_ranks, shuffle=shuffle)

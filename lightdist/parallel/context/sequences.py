@@ -98,6 +98,7 @@ class SplitSequences:
     def __init__(self, mesh: DeviceMesh, pipelined: bool = False) -> None:
         self.group: dist.ProcessGroup = mesh.get_group()
         self.size, self.rank, self.pipelined = mesh.size(), mesh.get_local_rank(), pipelined
+        self.batch_lengths: set[int] = set()  # of the sequences of this step's batch, whole
         self.local_lengths: set[int] = set()  # of the sequences split in this step
         self.split_shapes: set[tuple[int, int]] = set()  # their (batch, local length)
         self._arrivals: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
@@ -108,6 +109,7 @@ class SplitSequences:
 
     def new_step(self) -> None:
         """Forget what the last step split."""
+        self.batch_lengths.clear()
         self.local_lengths.clear()
         self.split_shapes.clear()
         self.shifted, self.loss_counts = False, []
@@ -134,7 +136,17 @@ class SplitSequences:
 
     def local(self, whole: Tensor) -> Tensor:
         """This rank's tokens of ``whole`` (batch, sequence, ...)."""
-        positions = self._positions(whole.size(1), whole.device)
+        length = whole.size(1)
+        if length % (2 * self.size) and self.batch_lengths and length not in self.batch_lengths:
+            raise ValueError(
+                f"context_parallel_size={self.size}: the step computes on a slice of its sequences ({length} "
+                "tokens of each, such as position_ids[:, :1] - 1), which this rank's share of the sequence cannot "
+                "stand for. Hugging Face's models do so as they look for documents packed by position_ids "
+                "(DataCollatorWithFlattening, TRL's padding_free) in a call without a cache: pack documents with end "
+                "tokens and set document_end_token=<the end token's id> (attention within documents under context "
+                "parallelism), or train such batches without context parallelism."
+            )
+        positions = self._positions(length, whole.device)
         self._split(whole.size(0), len(positions))
         return whole.index_select(1, positions)
 

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.module import register_module_forward_pre_hook
 
+from lightdist.dataflow import tensors_in
 from lightdist.parallel.context.attention import ContextParallelMethod, SplitAttention
 from lightdist.parallel.context.mode import ContextParallelMode, shares_into_tensor_parallel_modules
 from lightdist.parallel.context.sequence_shard import SequenceShard, unwrapped
@@ -117,6 +118,7 @@ class ContextParallel(SplitAttention):
             self.balance_by_documents(self.documents.ids)
         if isinstance(batch, Mapping) and isinstance(batch.get("labels"), Tensor):
             batch = type(batch)(self._padded_to_split(batch))
+        self.batch_lengths.update(t.size(1) for t in tensors_in(batch) if t.dim() >= 2)
         return apply_to_collection(batch, Tensor, lambda t: SequenceShard(t, self) if t.dim() >= 2 else t)
 
     def _padded_to_split(self, batch: Mapping[str, Any]) -> dict[str, Any]:
