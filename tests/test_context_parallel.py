@@ -398,9 +398,12 @@ def context_parallel_in_a_plain_loop() -> dict:
             return labels_loss(model, cp.shard_batch(batch))
 
     left_padded = dict(collated, attention_mask=kept.flip(-1).long())
-    # Documents packed into one row, positions restarting at each: without a cache, Hugging Face's model looks for
-    # them in position_ids[:, :1] - 1 and its neighbours, a slice of the sequence
+    # Documents packed into one row, positions restarting at each, marked by end tokens too
     flattened = transformers.DataCollatorWithFlattening()([{"input_ids": row.tolist()} for row in tokens[:3, :13]])
+
+    def sliced_first(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:  # computes on each sequence's first 3
+        return labels_loss(model, batch) + (batch["input_ids"][:, :3] * 2).float().mean()
+
     labelled_padding = dict(collated, labels=tokens[:, :38])
     results["errors"] = {
         "indivisible": raised(step_on, hf_llama(), {"input_ids": tokens[:, :30]}),
@@ -418,7 +421,10 @@ def context_parallel_in_a_plain_loop() -> dict:
         "shift_in_a_pipeline": raised(step_on, hf_llama(), collated, "auto", shifted_logits_loss, True),
         "per_sequence_mean": raised(step_on, llama, windows, "auto", per_sequence_mean),
         "sliding_window": raised(step_on, hf_causal_lm("mistral", **HF_TINY, sliding_window=8), collated),
-        "packed_by_positions": raised(step_on, hf_causal_lm("llama", **HF_TINY, use_cache=False), flattened),
+        "sliced_sequences": raised(step_on, hf_llama(), collated, "auto", sliced_first),
+        "packed_by_end_tokens_and_positions": raised(
+            step_within_documents, hf_causal_lm("llama", **HF_TINY, use_cache=False), flattened, "ring"
+        ),
         "hybrid_with_mamba": raised(step_on, jamba, collated),
         "token_shift": raised(step_on, rwkv, collated),
         "sequence_classification": raised(step_on, classifier, collated, "auto", sequence_classification),
@@ -524,8 +530,8 @@ def test_what_cannot_be_split_is_refused_with_the_way_out(plain_loop: dict) -> N
         )
     assert "computes conv1d along the sequence of a tensor that holds this rank's share" in errors["hybrid_with_mamba"]
     assert "computes pad along the sequence" in errors["token_shift"] and "RWKV's" in errors["token_shift"]
-    assert "computes on a slice of its sequences (1 tokens of each" in errors["packed_by_positions"]
-    assert "DataCollatorWithFlattening" in errors["packed_by_positions"]
+    assert "computes on a slice of its sequences (3 tokens of each" in errors["sliced_sequences"]
+    assert "Mark the documents one way" in errors["packed_by_end_tokens_and_positions"]
     assert (
         "attention takes a mask: a mask other than causal (left padding, packed documents, sliding windows)"
         in (errors["sliding_window"])

@@ -278,6 +278,20 @@ CASES = {
         "zoo_hf_llama_tp2_flattened": Case(
             strategy=dict(TP2), model="zoo_hf_llama_finetuning_packed", data="flattened"
         ),
+        # Documents packed into one row by their positions (DataCollatorWithFlattening): found in the whole sequences
+        # and attended within by each rank's share, where the model looks for them (no cache); with a cache, Hugging
+        # Face's model attends across them, in one process too
+        **{
+            f"zoo_hf_llama_cp2_{method}_flattened": Case(
+                strategy=dict(CP2, context_parallel_method=method),
+                model="zoo_hf_llama_finetuning_packed",
+                data="flattened",
+            )
+            for method in ("ring", "all_to_all")
+        },
+        "zoo_hf_llama_cp2_flattened_with_a_cache": Case(
+            strategy=CP2, model="zoo_hf_llama_finetuning", data="flattened"
+        ),
         **{
             f"zoo_hf_llama_zero3_collated_{speedup}": Case(
                 strategy=dict(zero_stage=3, **options), model="zoo_hf_llama_finetuning", data="collated"
@@ -477,7 +491,7 @@ REFERENCES = References([case.reference(size) for size, cases in CASES.items() f
 # A group of ranks trains this many cases one after another (starting ranks is the slow part): a few minutes on two
 # busy cores, well under the 560 s it is allowed, itself under pytest's 600 s so that a stuck group prints where its
 # ranks are.
-CASES_PER_GROUP = 36
+CASES_PER_GROUP = 37
 
 
 @cache

@@ -100,9 +100,10 @@ class SequenceSplit(Protocol):
 
 class DocumentMasks:
     """The documents of each step's batch, ended by ``end_token``, and the mode that confines attention to them;
-    ``model``'s buffers are the tables of fixed positions it may read (``document_positions.py``)."""
+    ``model``'s buffers are the tables of fixed positions it may read (``document_positions.py``). Without an
+    ``end_token``, the documents a model found by their positions, whose ``ids`` context parallelism sets."""
 
-    def __init__(self, end_token: int, mask_end_loss: bool = False, model: nn.Module | None = None) -> None:
+    def __init__(self, end_token: int | None, mask_end_loss: bool = False, model: nn.Module | None = None) -> None:
         self.end_token, self.mask_end_loss, self.model = end_token, mask_end_loss, model
         self.tokens: Tensor | None = None  # (batch, sequence) of the step's token ids
         self.ids: Tensor | None = None  # (batch, sequence): each token's document, from ``tokens``

@@ -141,10 +141,7 @@ class SplitSequences:
             raise ValueError(
                 f"context_parallel_size={self.size}: the step computes on a slice of its sequences ({length} "
                 "tokens of each, such as position_ids[:, :1] - 1), which this rank's share of the sequence cannot "
-                "stand for. Hugging Face's models do so as they look for documents packed by position_ids "
-                "(DataCollatorWithFlattening, TRL's padding_free) in a call without a cache: pack documents with end "
-                "tokens and set document_end_token=<the end token's id> (attention within documents under context "
-                "parallelism), or train such batches without context parallelism."
+                "stand for. Slice the model's outputs rather than its inputs, or train without context parallelism."
             )
         positions = self._positions(length, whole.device)
         self._split(whole.size(0), len(positions))

@@ -33,6 +33,7 @@ context-parallel ranks together (FSDP shards over both, as torchtitan does) aver
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from functools import cache
@@ -48,6 +49,7 @@ from lightdist.dataflow import tensors_in
 from lightdist.parallel.context.attention import ContextParallelMethod, SplitAttention
 from lightdist.parallel.context.mode import ContextParallelMode, shares_into_tensor_parallel_modules
 from lightdist.parallel.context.sequence_shard import SequenceShard, unwrapped
+from lightdist.parallel.documents import DocumentMasks
 from lightdist.parallel.loss_tokens import IGNORE_INDEX
 from lightdist.parallel.tensor import model_attention_heads
 
@@ -105,6 +107,11 @@ class ContextParallel(SplitAttention):
         super().__init__(mesh, method, pipelined)
         self.module = module
 
+    def new_step(self) -> None:
+        super().new_step()
+        if self.documents is not None and self.documents.end_token is None:  # the last step's, found by positions
+            self.documents = None
+
     def shard_batch(self, batch: Any) -> Any:
         """``batch`` with each tensor of two or more dimensions standing for its whole sequences (``SequenceShard``).
 
@@ -155,6 +162,38 @@ class ContextParallel(SplitAttention):
         return apply_to_collection(output, Tensor, whole)
 
     @contextmanager
+    def _documents_by_positions(self) -> Iterator[None]:
+        """Within, a Hugging Face model that looks for documents packed by ``position_ids`` (a call without a cache:
+        ``DataCollatorWithFlattening``, TRL's ``padding_free``) finds them in the whole sequences, and attends within
+        them here, as it would by a mask of its own in one process: it builds none over a rank's share."""
+        masking = sys.modules.get("transformers.masking_utils")
+        if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+            yield
+            return
+        find = masking.find_packed_sequence_indices
+
+        def found_here(position_ids: Tensor) -> Tensor | None:
+            if not isinstance(position_ids, SequenceShard):
+                return find(position_ids)
+            ids = find(position_ids.as_subclass(Tensor))
+            if ids is not None:
+                if self.documents is not None and self.documents.end_token is not None:
+                    raise ValueError(
+                        f"document_end_token={self.documents.end_token}: the batch's position_ids restart within its "
+                        "sequences too (documents packed by DataCollatorWithFlattening), and the model looks for "
+                        "documents there. Mark the documents one way: drop document_end_token, or position_ids."
+                    )
+                self.attend_within(DocumentMasks(end_token=None))
+                self.documents.ids = ids
+            return None
+
+        masking.find_packed_sequence_indices = found_here
+        try:
+            yield
+        finally:
+            masking.find_packed_sequence_indices = find
+
+    @contextmanager
     def active(self) -> Iterator[None]:
         """Positions and attention of the split sequences, while a step or its backward (which may recompute) runs;
         a step whose model took its share of the sequence but attended by hand is refused once it returns."""
@@ -162,7 +201,7 @@ class ContextParallel(SplitAttention):
         if self.documents is not None:  # their positions are the split's while it runs (a check's whole run is not)
             self.documents.split = self
         try:
-            with ContextParallelMode(self, self.module):
+            with ContextParallelMode(self, self.module), self._documents_by_positions():
                 yield
         finally:
             if self.documents is not None:
