@@ -140,7 +140,7 @@ class SplitSequences:
         if length % (2 * self.size) and self.batch_lengths and length not in self.batch_lengths:
             raise ValueError(
                 f"context_parallel_size={self.size}: the step computes on a slice of its sequences ({length} "
-                "tokens of each, such as position_ids[:, :1] - 1), which this rank's share of the sequence cannot "
+                "tokens of each, such as ids[:, :3] * 2), which this rank's share of the sequence cannot "
                 "stand for. Slice the model's outputs rather than its inputs, or train without context parallelism."
             )
         positions = self._positions(length, whole.device)
