@@ -401,6 +401,9 @@ def context_parallel_in_a_plain_loop() -> dict:
     # Documents packed into one row, positions restarting at each, marked by end tokens too
     flattened = transformers.DataCollatorWithFlattening()([{"input_ids": row.tolist()} for row in tokens[:3, :13]])
 
+    packed_eager = hf_causal_lm("llama", **HF_TINY, use_cache=False)
+    packed_eager.config._attn_implementation = "eager"  # scores by hand, which the documents' attention cannot reach
+
     def sliced_first(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:  # computes on each sequence's first 3
         return labels_loss(model, batch) + (batch["input_ids"][:, :3] * 2).float().mean()
 
@@ -422,6 +425,7 @@ def context_parallel_in_a_plain_loop() -> dict:
         "per_sequence_mean": raised(step_on, llama, windows, "auto", per_sequence_mean),
         "sliding_window": raised(step_on, hf_causal_lm("mistral", **HF_TINY, sliding_window=8), collated),
         "sliced_sequences": raised(step_on, hf_llama(), collated, "auto", sliced_first),
+        "packed_by_positions_attended_by_hand": raised(step_on, packed_eager, flattened, "ring"),
         "packed_by_end_tokens_and_positions": raised(
             step_within_documents, hf_causal_lm("llama", **HF_TINY, use_cache=False), flattened, "ring"
         ),
@@ -532,6 +536,11 @@ def test_what_cannot_be_split_is_refused_with_the_way_out(plain_loop: dict) -> N
     assert "computes pad along the sequence" in errors["token_shift"] and "RWKV's" in errors["token_shift"]
     assert "computes on a slice of its sequences (3 tokens of each" in errors["sliced_sequences"]
     assert "Mark the documents one way" in errors["packed_by_end_tokens_and_positions"]
+    assert (
+        "position_ids that restart within a sequence: the batch packs several documents"
+        in (errors["packed_by_positions_attended_by_hand"])
+    )
+    assert "attn_implementation='sdpa'" in errors["packed_by_positions_attended_by_hand"]
     assert (
         "attention takes a mask: a mask other than causal (left padding, packed documents, sliding windows)"
         in (errors["sliding_window"])

@@ -155,12 +155,17 @@ class DocumentMasks:
     def check_attended(self) -> None:
         """Refuse a step over several documents whose attention no call gave the documents' mask."""
         if not self.attended and self.ids is not None and bool((self.ids[:, -1] > 0).any()):
+            marked, without = (
+                (f"document_end_token={self.end_token}", "document_end_token")
+                if self.end_token is not None
+                else ("position_ids that restart within a sequence", "context parallelism")
+            )
             raise ValueError(
-                f"document_end_token={self.end_token}: the batch packs several documents in a sequence, but the step "
-                "called no torch.nn.functional.scaled_dot_product_attention over its sequences, so its attention (a "
-                "kernel of its own, or scores computed by broadcasting) would cross documents. Load Hugging Face "
-                "models with attn_implementation='sdpa'; in your own attention, call "
-                "F.scaled_dot_product_attention(q, k, v, is_causal=True); or train without document_end_token."
+                f"{marked}: the batch packs several documents in a sequence, but the step called no "
+                "torch.nn.functional.scaled_dot_product_attention over its sequences, so its attention (a kernel of "
+                "its own, or scores computed by broadcasting) would cross documents. Load Hugging Face models with "
+                "attn_implementation='sdpa'; in your own attention, call F.scaled_dot_product_attention(q, k, v, "
+                f"is_causal=True); or train without {without}."
             )
 
     def check_causal(self, attn_mask: Tensor | None, is_causal: bool) -> None:

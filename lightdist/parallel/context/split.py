@@ -206,6 +206,10 @@ class ContextParallel(SplitAttention):
         finally:
             if self.documents is not None:
                 self.documents.split = None
+        if (
+            self.documents is not None and self.documents.end_token is None
+        ):  # found by positions: the mask HF would build
+            self.documents.check_attended()
         if self.local_lengths and not self.attended:
             raise ValueError(
                 f"context_parallel_size={self.size}: the model took this rank's share of each sequence but computed "
