@@ -331,6 +331,37 @@ def context_parallel_in_a_plain_loop() -> dict:
         results["llama_ring_compiled_blocks_documents"] = str(error)
     results["chunks_dealt_by_documents"] = dealt
 
+    # Documents packed by their positions (DataCollatorWithFlattening), 40, 12 and 12 tokens: the model looks for
+    # them in position_ids as it runs, after the split, so the ring keeps the chunks from each end in the first step,
+    # and from the next on deals them by the documents' work. A step that then attends across them (a call with a
+    # cache, or ALiBi without position_ids: Falcon's bias per key, BLOOM's scores by hand) attends at the dealt chunks
+    # causally over the whole sequence
+    rows = (tokens[0, :40], tokens[1, :12], tokens[1, 20:32])
+    flattened_long = transformers.DataCollatorWithFlattening()([{"input_ids": row.tolist()} for row in rows])
+    packed = hf_causal_lm("llama", **HF_TINY, use_cache=False)
+    cp = ContextParallel(mesh, "ring", packed)
+    held_by_step = []
+    for step in ("hf_llama_ring_flattened_first_step", "hf_llama_ring_flattened_dealt"):
+        results[step] = one_process_and_split(packed, flattened_long, labels_loss, cp)
+        held_by_step.append(cp.positions(32).tolist())
+    packed.config.use_cache = True
+    results["hf_llama_ring_flattened_dealt_with_a_cache"] = one_process_and_split(
+        packed, flattened_long, labels_loss, cp
+    )
+    held_by_step.append(cp.positions(32).tolist())
+
+    def without_positions(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        return model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+    for name, model in (("falcon", alibi), ("bloom", bloom)):
+        cp = ContextParallel(mesh, "ring", model)
+        cp.model_finds_documents = True  # as if an earlier step's model had looked
+        results[f"hf_{name}_alibi_ring_flattened_dealt"] = one_process_and_split(
+            model, flattened_long, without_positions, cp
+        )
+        held_by_step.append(cp.positions(32).tolist())
+    results["flattened_held_by_step"] = held_by_step
+
     # Activation memory per rank: half of one process's, for a sequence twice as long as a rank holds
     long = torch.randint(0, 64, (1, 64), generator=generator)
     for method in ("all_to_all", "ring"):  # the ring keeps its own keys and values, not the gathered whole
@@ -470,6 +501,11 @@ def plain_loop() -> dict:
         "llama_rolled_targets",
         "llama_ring_compiled_blocks",
         "llama_ring_compiled_blocks_documents",
+        "hf_llama_ring_flattened_first_step",
+        "hf_llama_ring_flattened_dealt",
+        "hf_llama_ring_flattened_dealt_with_a_cache",
+        "hf_falcon_alibi_ring_flattened_dealt",
+        "hf_bloom_alibi_ring_flattened_dealt",
     ],
 )
 def test_half_of_each_sequence_per_rank_computes_what_one_process_computes(plain_loop: dict, name: str) -> None:
@@ -481,6 +517,12 @@ def test_half_of_each_sequence_per_rank_computes_what_one_process_computes(plain
 def test_each_batch_deals_the_chunks_by_its_own_documents(plain_loop: dict) -> None:
     dealt = plain_loop["chunks_dealt_by_documents"]
     assert len(dealt) == 3 and len({tuple(positions) for positions in dealt}) == 3
+
+
+def test_documents_packed_by_positions_deal_the_chunks_once_the_model_has_looked_for_them(plain_loop: dict) -> None:
+    first, dealt, *attended_across = plain_loop["flattened_held_by_step"]  # a cache, Falcon's ALiBi, BLOOM's
+    assert first == load_balanced_positions(64, 2, rank=0).tolist()
+    assert dealt != first and attended_across == [dealt] * 3
 
 
 @pytest.mark.parametrize("method", ["all_to_all", "ring"])

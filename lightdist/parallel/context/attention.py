@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from lightdist.parallel.context.sequences import SplitSequences
+from lightdist.parallel.document_attention import attention_per_document, compiled_attention_per_document
 from lightdist.parallel.documents import DocumentMasks
 from lightdist.parallel.expert_parallel import all_to_all_rows
 
@@ -199,6 +200,8 @@ class SplitAttention(SplitSequences):
             return self.documents.attention_at(
                 length, positions, query, whole_key, whole_value, scale=scale, enable_gqa=gqa
             )
+        if length in self._balanced:  # dealt by documents the model attends across (called with a cache this time)
+            return self._over_dealt_chunks(query, whole_key, whole_value, scale, key_bias)
         chunk = local_len // 2
         outs = []
         for half, index in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
@@ -212,6 +215,22 @@ class SplitAttention(SplitSequences):
                 F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
             )
         return torch.cat(outs, dim=2)
+
+    def _over_dealt_chunks(
+        self, query: Tensor, key: Tensor, value: Tensor, scale: float | None, key_bias: Tensor | None
+    ) -> Tensor:
+        """The rank's queries, at chunks a step's documents dealt, over the whole sequence's ``key`` and ``value``
+        under the causal mask, as of one document a sequence; with a ``key_bias``, under a mask of every key."""
+        positions, length, gqa = self.positions(query.size(2), query.device), key.size(2), key.size(1) != query.size(1)
+        if key_bias is not None:
+            allowed = torch.arange(length, device=query.device)[None, :] <= positions[:, None]
+            mask = torch.where(allowed, key_bias, torch.finfo(key_bias.dtype).min).to(query.dtype)
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        if torch.compiler.is_compiling():
+            one_document = torch.zeros(query.size(0), length, dtype=torch.long, device=query.device)
+            return compiled_attention_per_document(query, key, value, one_document, positions, scale, gqa)
+        lengths = [[length]] * query.size(0)
+        return attention_per_document(query, key, value, lengths, positions, scale=scale, enable_gqa=gqa)
 
     def _method(self, heads: int, kv_heads: int) -> str:
         if self.method == "all_to_all" and (heads % self.size or kv_heads % self.size):

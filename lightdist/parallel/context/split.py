@@ -39,6 +39,7 @@ from contextlib import contextmanager
 from functools import cache
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
@@ -106,6 +107,7 @@ class ContextParallel(SplitAttention):
     ) -> None:
         super().__init__(mesh, method, pipelined)
         self.module = module
+        self.model_finds_documents = False  # whether the model has looked for documents packed by position_ids
 
     def new_step(self) -> None:
         super().new_step()
@@ -118,13 +120,18 @@ class ContextParallel(SplitAttention):
         A Hugging Face collator's batch (``input_ids``, ``labels``, ``attention_mask``) is first padded on the right
         to a length that splits (unlabelled padding changes no loss), and its ``attention_mask`` dropped where
         attending causally is the same. Within packed documents, their sequences' chunks are dealt out by the
-        documents' work (``balanced_by_documents``).
+        documents' work (``balanced_by_documents``): those ended by ``document_end_token``, or those of restarting
+        ``position_ids`` where the model looked for documents there in an earlier step (it looks as it runs, after the
+        split, and not when called with a cache).
         """
         self.new_step()
-        if self.documents is not None and self.documents.ids is not None:
-            self.balance_by_documents(self.documents.ids)
         if isinstance(batch, Mapping) and isinstance(batch.get("labels"), Tensor):
             batch = type(batch)(self._padded_to_split(batch))
+        ids = self.documents.ids if self.documents is not None else None
+        if ids is None and self.model_finds_documents:
+            ids = _packed_by_positions(batch)
+        if ids is not None:
+            self.balance_by_documents(ids)
         self.batch_lengths.update(t.size(1) for t in tensors_in(batch) if t.dim() >= 2)
         return apply_to_collection(batch, Tensor, lambda t: SequenceShard(t, self) if t.dim() >= 2 else t)
 
@@ -175,6 +182,7 @@ class ContextParallel(SplitAttention):
         def found_here(position_ids: Tensor) -> Tensor | None:
             if not isinstance(position_ids, SequenceShard):
                 return find(position_ids)
+            self.model_finds_documents = True
             ids = find(position_ids.as_subclass(Tensor))
             if ids is not None:
                 if self.documents is not None and self.documents.end_token is not None:
@@ -227,6 +235,17 @@ class ContextParallel(SplitAttention):
                 "or feed windows of one token more than the model takes (inputs batch[:, :-1] and targets "
                 "batch[:, 1:] of a length that splits)."
             )
+
+
+def _packed_by_positions(batch: Any) -> Tensor | None:
+    """Each token's document where ``batch`` holds ``position_ids`` that restart within a sequence, as Hugging Face's
+    models find documents packed so (``find_packed_sequence_indices``: a new one wherever a position is not the last
+    one's successor); else ``None``."""
+    positions = batch.get("position_ids") if isinstance(batch, Mapping) else None
+    if not isinstance(positions, Tensor) or positions.dim() != 2 or positions.is_floating_point():
+        return None
+    ids = (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+    return ids if bool((ids[:, -1] > 0).any()) else None
 
 
 def _check_right_padded(attention_mask: Tensor, labels: Any) -> None:
