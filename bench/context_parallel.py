@@ -46,6 +46,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import init_device_mesh
 
 from lightdist.models.llama import LlamaConfig, LlamaModel
+from lightdist.parallel.compiled_blocks import compile_block
 from lightdist.parallel.context import ContextParallel
 from lightdist.parallel.documents import DocumentMasks
 
@@ -140,7 +141,7 @@ def measure(rank: int, size: int, port: int, args: argparse.Namespace, results) 
         mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("cp",))["cp"]
     model = build(args, device)
     for block in model.layers if args.compile else []:
-        block.compile()
+        compile_block(block)
     bf16 = args.precision == "bf16-mixed"
     for seq_len in args.lengths:
         windows = torch.randint(1, 256, (1, seq_len + 1), generator=torch.Generator().manual_seed(seq_len))

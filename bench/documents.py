@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from context_parallel import build
 
 from lightdist.models.llama import LlamaModel
+from lightdist.parallel.compiled_blocks import compile_block
 from lightdist.parallel.documents import attention_within_documents
 from lightdist.parallel.structure import find_repeated_blocks
 
@@ -67,7 +68,7 @@ def main() -> None:
     device = torch.device(args.device)
     model = build(args, device)  # the context-parallel benchmark's Llama, of the same options
     for name in find_repeated_blocks(model) if args.compile else []:
-        model.get_submodule(name).compile()
+        compile_block(model.get_submodule(name))
     blocks = f"{args.layers} blocks{', compiled' if args.compile else ''}"
     print(f"documents of {args.document} tokens; {blocks}, width {args.dim}, {args.heads} heads, {device}")
     print("| tokens | causal step | step within documents | ratio | scores computed |")

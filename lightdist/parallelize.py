@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightdist.config import ParallelConfig
 from lightdist.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightdist.parallel.compiled_blocks import compile_block
 from lightdist.parallel.expert_parallel import (
     ExpertModules,
     apply_expert_parallel,
@@ -447,7 +448,7 @@ def _recompute_and_compile(blocks: Iterable[nn.Module], config: ParallelConfig) 
     if config.compile:
         for block in blocks:
             without_kv_cache_in_training(block)
-            block.compile()
+            compile_block(block)
 
 
 def _shard(

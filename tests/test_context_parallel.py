@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lightdist.models import Llama
 from lightdist.parallel.activation_checkpointing import apply_activation_checkpointing
+from lightdist.parallel.compiled_blocks import compile_block
 from lightdist.parallel.context import ContextParallel, balanced_by_documents, load_balanced_positions
 from lightdist.parallel.context.sequence_shard import SequenceShard
 from lightdist.parallel.documents import DocumentMasks, document_ids, document_positions
@@ -361,6 +362,16 @@ def context_parallel_in_a_plain_loop() -> dict:
         )
         held_by_step.append(cp.positions(32).tolist())
     results["flattened_held_by_step"] = held_by_step
+    # Blocks compiled as compile=True compiles them, called with the batch's own position_ids (a rank's share of
+    # them, which dynamo's guards would otherwise read the whole sequences of); documents found by them are refused
+    compiled_hf = hf_causal_lm("llama", **HF_TINY, use_cache=False)
+    for layer in compiled_hf.model.layers:
+        compile_block(layer, backend="eager")
+    positioned = {"input_ids": tokens[:, :40], "labels": tokens[:, :40], "position_ids": torch.arange(40).expand(2, -1)}
+    cp = ContextParallel(mesh, "ring", compiled_hf, compiled=True)
+    results["hf_llama_ring_compiled_blocks_given_position_ids"] = one_process_and_split(
+        compiled_hf, positioned, labels_loss, cp
+    )
 
     # Activation memory per rank: half of one process's, for a sequence twice as long as a rank holds
     long = torch.randint(0, 64, (1, 64), generator=generator)
@@ -381,8 +392,10 @@ def context_parallel_in_a_plain_loop() -> dict:
             model, long, ContextParallel(mesh, "auto", model)
         ) / saved_activation_bytes(model, long, None)
 
-    def step_on(model: nn.Module, batch, method: str = "auto", loss_of=labels_loss, pipelined: bool = False) -> Tensor:
-        cp = ContextParallel(mesh, method, model, pipelined)
+    def step_on(
+        model: nn.Module, batch, method: str = "auto", loss_of=labels_loss, pipelined: bool = False, compiled=False
+    ) -> Tensor:
+        cp = ContextParallel(mesh, method, model, pipelined, compiled)
         with cp.active():
             return loss_of(model, cp.shard_batch(batch))
 
@@ -457,6 +470,7 @@ def context_parallel_in_a_plain_loop() -> dict:
         "sliding_window": raised(step_on, hf_causal_lm("mistral", **HF_TINY, sliding_window=8), collated),
         "sliced_sequences": raised(step_on, hf_llama(), collated, "auto", sliced_first),
         "packed_by_positions_attended_by_hand": raised(step_on, packed_eager, flattened, "ring"),
+        "packed_by_positions_compiled": raised(step_on, compiled_hf, flattened, "ring", labels_loss, False, True),
         "packed_by_end_tokens_and_positions": raised(
             step_within_documents, hf_causal_lm("llama", **HF_TINY, use_cache=False), flattened, "ring"
         ),
@@ -504,6 +518,7 @@ def plain_loop() -> dict:
         "hf_llama_ring_flattened_first_step",
         "hf_llama_ring_flattened_dealt",
         "hf_llama_ring_flattened_dealt_with_a_cache",
+        "hf_llama_ring_compiled_blocks_given_position_ids",
         "hf_falcon_alibi_ring_flattened_dealt",
         "hf_bloom_alibi_ring_flattened_dealt",
     ],
@@ -578,6 +593,8 @@ def test_what_cannot_be_split_is_refused_with_the_way_out(plain_loop: dict) -> N
     assert "computes pad along the sequence" in errors["token_shift"] and "RWKV's" in errors["token_shift"]
     assert "computes on a slice of its sequences (3 tokens of each" in errors["sliced_sequences"]
     assert "Mark the documents one way" in errors["packed_by_end_tokens_and_positions"]
+    assert "compile=True: the batch's position_ids restart" in errors["packed_by_positions_compiled"]
+    assert "Train with compile=False" in errors["packed_by_positions_compiled"]
     assert (
         "position_ids that restart within a sequence: the batch packs several documents"
         in (errors["packed_by_positions_attended_by_hand"])

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from lightdist.models import TokenDataModule
 from lightdist.models.data import ARITHMETIC_ALPHABET, arithmetic_corpus
+from lightdist.parallel.compiled_blocks import compile_block
 from lightdist.parallel.document_attention import attention_per_document, compiled_attention_per_document
 from lightdist.parallel.documents import (
     DocumentMasks,
@@ -293,7 +294,7 @@ def compile_blocks(module: torch.nn.Module) -> list[torch.fx.GraphModule]:
 
     for name in find_repeated_blocks(module):
         without_kv_cache_in_training(module.get_submodule(name))
-        module.get_submodule(name).compile(backend=keep)
+        compile_block(module.get_submodule(name), backend=keep)
     return graphs
 
 

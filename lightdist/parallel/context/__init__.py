@@ -10,6 +10,7 @@ positions), ``attention.py``, the ops, ``mode.py``, ``split.py``, ``check.py``.
 from lightdist.parallel.context.attention import ContextParallelMethod, auto_method
 from lightdist.parallel.context.check import check_split_step, parameters_of, probe_prefix, tolerance
 from lightdist.parallel.context.mode import ContextParallelMode
+from lightdist.parallel.context.sequence_shard import unwrapped
 from lightdist.parallel.context.sequences import balanced_by_documents, load_balanced_positions
 from lightdist.parallel.context.split import ContextParallel, context_parallel_over
 
@@ -25,4 +26,5 @@ __all__ = [
     "parameters_of",
     "probe_prefix",
     "tolerance",
+    "unwrapped",
 ]
