@@ -190,10 +190,8 @@ class MeshStrategy(ModelParallelStrategy):
         for dim in self._mesh.mesh_dim_names:  # torch makes a mesh's groups with its default timeout
             set_group_timeout(self._mesh[dim].get_group(), self._collective_timeout)
         give_device_mesh(self.lightning_module, self._mesh)
-        method, compiled = self._config.context_parallel_method, self._config.compile
-        self.context_parallel = context_parallel_over(
-            self._mesh, self._layout.cp, method, self.lightning_module, compiled
-        )
+        method = self._config.context_parallel_method
+        self.context_parallel = context_parallel_over(self._mesh, self._layout.cp, method, self.lightning_module)
         if self.world_size > 1:  # a single process has no one to wait on
             if self._heartbeat is None:
                 store = store_on_rank_zero(self.cluster_environment.main_address, self._collective_timeout)

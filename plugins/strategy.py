@@ -201,14 +201,14 @@ class ParallelStrategy(CheckpointingStrategy):
         return self._config.as_run(self.layout) | run | {"precision": self.precision_plugin.precision}
 
     def _parallelize(self, module: pl.LightningModule) -> ModelHolder:
-        """Split the LightningModule over the mesh (``lightdist.parallelize``); under a pipeline, run its steps
-        through the schedule."""
+        """Split the LightningModule over the mesh (``lightdist.parallelize``); under a pipeline, steps run by it."""
         config = self._config.with_precision(self.precision_plugin.precision)
         self._parallelized = parallelize(
             module,
             self.device_mesh,
             config,
             root=ModelHolder(module),
+            static_shapes=self.context_parallel is not None,
             example_call=partial(example_model_call, module, config.microbatches_run(self.layout.pp)),
             report=rank_zero_info,
         )

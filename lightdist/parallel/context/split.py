@@ -69,15 +69,15 @@ def context_mesh(mesh: DeviceMesh, cp: int) -> DeviceMesh:
 
 
 def context_parallel_over(
-    mesh: DeviceMesh, cp: int, method: ContextParallelMethod, module: nn.Module, compiled: bool = False
+    mesh: DeviceMesh, cp: int, method: ContextParallelMethod, module: nn.Module
 ) -> ContextParallel | None:
-    """Context parallelism of ``module`` (its blocks ``compiled``, where so) over ``cp`` neighbouring ranks of the
-    ``("pp", "dp", "tp")`` ``mesh``'s ``"dp"``; ``None`` where ``cp`` is 1."""
+    """Context parallelism of ``module`` over ``cp`` neighbouring ranks of the ``("pp", "dp", "tp")`` ``mesh``'s
+    ``"dp"``; ``None`` where ``cp`` is 1."""
     if cp == 1:
         return None
     if method == "all_to_all":
         _check_heads_deal_out(module, mesh["tp"].size(), cp)
-    return ContextParallel(context_mesh(mesh, cp)["cp"], method, module, mesh["pp"].size() > 1, compiled)
+    return ContextParallel(context_mesh(mesh, cp)["cp"], method, module, pipelined=mesh["pp"].size() > 1)
 
 
 def _check_heads_deal_out(module: nn.Module, tp: int, cp: int) -> None:
@@ -100,19 +100,13 @@ class ContextParallel(SplitAttention):
         method: ``"ring"``, ``"all_to_all"``, or ``"auto"`` (``auto_method``).
         module: The model whose buffers may hold tables indexed by position.
         pipelined: Whether ``module`` runs as pipeline stages, which count a microbatch's tokens before its loss.
-        compiled: Whether its blocks are compiled (``compile=True``).
     """
 
     def __init__(
-        self,
-        mesh: DeviceMesh,
-        method: ContextParallelMethod,
-        module: nn.Module,
-        pipelined: bool = False,
-        compiled: bool = False,
+        self, mesh: DeviceMesh, method: ContextParallelMethod, module: nn.Module, pipelined: bool = False
     ) -> None:
         super().__init__(mesh, method, pipelined)
-        self.module, self.compiled = module, compiled
+        self.module = module
         self.model_finds_documents = False  # whether the model has looked for documents packed by position_ids
 
     def new_step(self) -> None:
@@ -190,13 +184,6 @@ class ContextParallel(SplitAttention):
                 return find(position_ids)
             self.model_finds_documents = True
             ids = find(position_ids.as_subclass(Tensor))
-            if ids is not None and self.compiled:
-                raise ValueError(
-                    f"context_parallel_size={self.size} with compile=True: the batch's position_ids restart within "
-                    "its sequences (documents packed by DataCollatorWithFlattening), which the model looks for, and "
-                    "lightdist does not confine compiled blocks' attention to documents found so. Train with "
-                    "compile=False, or pack the documents with an end token between them (document_end_token)."
-                )
             if ids is not None:
                 if self.documents is not None and self.documents.end_token is not None:
                     raise ValueError(
