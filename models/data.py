@@ -32,11 +32,14 @@ def arithmetic_corpus(num_tokens: int, *, seed: int = 0) -> np.ndarray:
     The sums are deterministic given the operands, so a model's loss visibly falls as it learns to add.
     """
     rng = np.random.default_rng(seed)
-    operands = rng.integers(0, 1000, size=(num_tokens // len("0+0=0\n") + 1, 2)).tolist()  # enough of the shortest
-    text = "".join(f"{a}+{b}={a + b}\n" for a, b in operands)[:num_tokens]
-    ids = np.zeros(128, dtype=np.uint16)
-    ids[[ord(character) for character in ARITHMETIC_ALPHABET]] = np.arange(len(ARITHMETIC_ALPHABET))
-    return ids[np.frombuffer(text.encode("ascii"), dtype=np.uint8)]
+    lookup = {ch: i for i, ch in enumerate(ARITHMETIC_ALPHABET)}
+    pieces, total = [], 0
+    while total < num_tokens:
+        a, b = rng.integers(0, 1000, size=2)
+        line = [lookup[ch] for ch in f"{a}+{b}={a + b}\n"]
+        pieces.append(line)
+        total += len(line)
+    return np.fromiter((t for line in pieces for t in line), dtype=np.uint16)[:num_tokens]
 
 
 class TokenWindows(Dataset):
