@@ -107,14 +107,10 @@ def parallelize(
     root: nn.Module | None = None,
     example_call: Callable[[list[str]], ModelCall] | None = None,
     report: Callable[[str], Any] = print,
-    static_shapes: bool = False,
 ) -> Parallelized:
     """Split ``model`` over ``mesh`` as ``config`` says. A collective of every rank of the mesh.
 
     ``root``: the module that holds ``model`` and runs in its place, FSDP's outermost unit (default ``model``).
-    ``static_shapes``: with ``compile``, compile the blocks anew for each new shape rather than for any (context
-    parallelism, whose split of packed documents compiled blocks read from state that dynamo's symbolic shapes do
-    not follow: a batch of a new length attended within the last one's documents, without an error).
     ``example_call``: given the paths of the modules that may be called as the model, one microbatch's call of one of
     them, for torch's tracer, which only cuts stages of a model with no block list (or with ``pipeline_tracer``).
     ``report``: where the lines that say what was chosen go.
@@ -148,17 +144,15 @@ def parallelize(
         if not block_names or tp > 1:
             raise
         if pp > 1:
-            return _parallelize_traced(
-                model, mesh, config, root, block_names, example_call, report, experts, static_shapes
-            )
+            return _parallelize_traced(model, mesh, config, root, block_names, example_call, report, experts)
         blocks = [model.get_submodule(name) for name in block_names]
         split_experts = _split_experts(model, experts, mesh, config, report)
-        _recompute_and_compile(blocks, config, static_shapes)
+        _recompute_and_compile(blocks, config)
         _shard(root, blocks, mesh, config, config.zero_stage, split_experts)
         return Parallelized(root)
     if config.pipeline_tracer and pp > 1:
         block_names = [f"{stack.name}.{index}" for index in range(len(stack))]
-        return _parallelize_traced(model, mesh, config, root, block_names, example_call, report, experts, static_shapes)
+        return _parallelize_traced(model, mesh, config, root, block_names, example_call, report, experts)
     plan, layouts = {}, {}
     if tp > 1:  # on the whole model, where the embedding and the head split by vocabulary are seen
         plan = discover_plan(model, stack, tp_plan=config.tp_plan)
@@ -177,7 +171,7 @@ def parallelize(
             loss_parallel=config.loss_parallel,
         )
     split_experts = _split_experts(model, experts, mesh, config, report)
-    _recompute_and_compile(stack.blocks, config, static_shapes)
+    _recompute_and_compile(stack.blocks, config)
     if not result.stages:
         _shard(root, stack.blocks, mesh, config, config.zero_stage, split_experts)
     for stage in result.stages:
@@ -289,7 +283,6 @@ def _parallelize_traced(
     example_call: Callable[[list[str]], ModelCall] | None,
     report: Callable[[str], Any],
     experts: ExpertModules | None,
-    static_shapes: bool,
 ) -> Parallelized:
     """Pipeline stages cut by torch's tracer, each data parallel on its own: for a model whose blocks are not in
     one ``ModuleList``, or with ``pipeline_tracer``. Tensor and expert parallelism need the structure cut. What is
@@ -332,7 +325,7 @@ def _parallelize_traced(
     drop_other_stages(traced, stages)
     for stage in stages:
         blocks = [stage.get_submodule(name) for name in block_names if _has_submodule(stage, name)]
-        _recompute_and_compile(blocks, config, static_shapes)
+        _recompute_and_compile(blocks, config)
         _shard(stage, blocks, mesh, config, config.zero_stage_run(pp))
     adopt_parameters(traced, stages)
     return Parallelized(
@@ -447,7 +440,7 @@ def _split_experts(
     return _SplitExperts([model.get_submodule(name) for name in held], ranks)
 
 
-def _recompute_and_compile(blocks: Iterable[nn.Module], config: ParallelConfig, static_shapes: bool) -> None:
+def _recompute_and_compile(blocks: Iterable[nn.Module], config: ParallelConfig) -> None:
     """Activation checkpointing or ``torch.compile`` (``ParallelConfig`` refuses both), block by block."""
     blocks = list(blocks)
     if config.activation_checkpointing is not None:
@@ -455,7 +448,7 @@ def _recompute_and_compile(blocks: Iterable[nn.Module], config: ParallelConfig, 
     if config.compile:
         for block in blocks:
             without_kv_cache_in_training(block)
-            compile_block(block, **({"dynamic": False} if static_shapes else {}))
+            compile_block(block)
 
 
 def _shard(

@@ -208,7 +208,6 @@ class ParallelStrategy(CheckpointingStrategy):
             self.device_mesh,
             config,
             root=ModelHolder(module),
-            static_shapes=self.context_parallel is not None,
             example_call=partial(example_model_call, module, config.microbatches_run(self.layout.pp)),
             report=rank_zero_info,
         )

@@ -293,7 +293,7 @@ def context_parallel_in_a_plain_loop() -> dict:
     # tables, the split's hooks entered again)
     compiled = Llama("tiny").model
     for block in compiled.layers:
-        compile_block(block, backend="eager", dynamic=False)
+        compile_block(block, backend="eager")
     cp = ContextParallel(mesh, "ring", compiled)
     one_process_and_split(compiled, windows, shifted_loss, cp)
     try:
@@ -332,8 +332,8 @@ def context_parallel_in_a_plain_loop() -> dict:
     except RuntimeError as error:
         results["llama_ring_compiled_blocks_documents"] = str(error)
     results["chunks_dealt_by_documents"] = dealt
-    # A batch of another length compiles anew: compiled for any length, a block attended within the last batch's
-    # documents, without an error (a loss 2e-3 away from one process's, gradients all wrong)
+    # A batch of another length compiles the blocks for any length: there a check that read a constant `in` a tuple of
+    # symbolic sizes, which dynamo takes for False, attended within the last batch's documents, without an error
     documents.see(packed([9, 30, 20, 30], length=97))
     results["llama_ring_compiled_blocks_documents_longer"] = one_process_and_split(
         compiled, documents.tokens, loss_within_documents, cp
@@ -363,18 +363,18 @@ def context_parallel_in_a_plain_loop() -> dict:
 
     for name, model in (("falcon", alibi), ("bloom", bloom)):
         cp = ContextParallel(mesh, "ring", model)
-        cp.model_finds_documents = True  # as if an earlier step's model had looked
+        cp.find_documents = transformers.masking_utils.find_packed_sequence_indices  # as an earlier step's model
         results[f"hf_{name}_alibi_ring_flattened_dealt"] = one_process_and_split(
             model, flattened_long, without_positions, cp
         )
         held_by_step.append(cp.positions(32).tolist())
     results["flattened_held_by_step"] = held_by_step
-    # Blocks compiled as compile=True compiles them under context parallelism (for each new length), called with the
-    # batch's own position_ids (a rank's share of them, which dynamo's guards would otherwise read the whole sequences
-    # of), then on documents found by them, in batches of two lengths
+    # Blocks compiled as compile=True compiles them under context parallelism, called with the batch's own
+    # position_ids (a rank's share of them, which dynamo's guards would otherwise read the whole sequences of), then on
+    # documents found by them, in batches of two lengths
     compiled_hf = hf_causal_lm("llama", **HF_TINY, use_cache=False)
     for layer in compiled_hf.model.layers:
-        compile_block(layer, backend="eager", dynamic=False)
+        compile_block(layer, backend="eager")
     positioned = {"input_ids": tokens[:, :40], "labels": tokens[:, :40], "position_ids": torch.arange(40).expand(2, -1)}
     cp = ContextParallel(mesh, "ring", compiled_hf)
     shorter = transformers.DataCollatorWithFlattening()([{"input_ids": row.tolist()} for row in tokens[:, :20]])

@@ -283,11 +283,10 @@ class DocumentMasks:
         """The document ids of a call over ``rows`` sequences (any, where ``None``) of ``length`` tokens: the
         batch's own, or its inputs' (the tokens but the last, whose successors are the targets); ``None`` for a call
         over other sequences."""
-        if (
-            self.ids is None
-            or rows not in (None, self.ids.size(0))
-            or length not in (self.ids.size(1), self.ids.size(1) - 1)
-        ):
+        # Compared one by one: dynamo reads ``length in (size, size - 1)`` with symbolic sizes as False, unguarded
+        if self.ids is None or (rows is not None and rows != self.ids.size(0)):
+            return None
+        if length != self.ids.size(1) and length != self.ids.size(1) - 1:
             return None
         return self.ids[:, :length]
 

@@ -34,12 +34,11 @@ context-parallel ranks together (FSDP shards over both, as torchtitan does) aver
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import cache
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
@@ -107,7 +106,8 @@ class ContextParallel(SplitAttention):
     ) -> None:
         super().__init__(mesh, method, pipelined)
         self.module = module
-        self.model_finds_documents = False  # whether the model has looked for documents packed by position_ids
+        # How the model finds documents packed by position_ids, once it has looked for them (Hugging Face's function)
+        self.find_documents: Callable[[Tensor], Tensor | None] | None = None
 
     def new_step(self) -> None:
         super().new_step()
@@ -128,8 +128,9 @@ class ContextParallel(SplitAttention):
         if isinstance(batch, Mapping) and isinstance(batch.get("labels"), Tensor):
             batch = type(batch)(self._padded_to_split(batch))
         ids = self.documents.ids if self.documents is not None else None
-        if ids is None and self.model_finds_documents:
-            ids = _packed_by_positions(batch)
+        positions = batch.get("position_ids") if isinstance(batch, Mapping) else None
+        if ids is None and self.find_documents is not None and _token_positions(positions):
+            ids = self.find_documents(positions)
         if ids is not None:
             self.balance_by_documents(ids)
         self.batch_lengths.update(t.size(1) for t in tensors_in(batch) if t.dim() >= 2)
@@ -182,7 +183,7 @@ class ContextParallel(SplitAttention):
         def found_here(position_ids: Tensor) -> Tensor | None:
             if not isinstance(position_ids, SequenceShard):
                 return find(position_ids)
-            self.model_finds_documents = True
+            self.find_documents = find
             ids = find(position_ids.as_subclass(Tensor))
             if ids is not None:
                 if self.documents is not None and self.documents.end_token is not None:
@@ -237,15 +238,9 @@ class ContextParallel(SplitAttention):
             )
 
 
-def _packed_by_positions(batch: Any) -> Tensor | None:
-    """Each token's document where ``batch`` holds ``position_ids`` that restart within a sequence, as Hugging Face's
-    models find documents packed so (``find_packed_sequence_indices``: a new one wherever a position is not the last
-    one's successor); else ``None``."""
-    positions = batch.get("position_ids") if isinstance(batch, Mapping) else None
-    if not isinstance(positions, Tensor) or positions.dim() != 2 or positions.is_floating_point():
-        return None
-    ids = (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
-    return ids if bool((ids[:, -1] > 0).any()) else None
+def _token_positions(positions: Any) -> bool:
+    """Whether ``positions`` (a batch's ``position_ids``) give each token of each sequence its position."""
+    return isinstance(positions, Tensor) and positions.dim() == 2 and not positions.is_floating_point()
 
 
 def _check_right_padded(attention_mask: Tensor, labels: Any) -> None:
