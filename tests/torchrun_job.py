@@ -81,8 +81,10 @@ class Chaos(Callback):
                 if time.monotonic() - waiting_since > 120:
                     raise TimeoutError("no node joined in two minutes")
                 time.sleep(0.1)
-        if trainer.global_step == self.options.kill_at and trainer.global_rank == 1 and ATTEMPT == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if trainer.global_step == self.options.kill_at and ATTEMPT == 0:
+            trainer.strategy.barrier()  # rank 0 has recorded the step: on a loaded machine torchrun stopped it first
+            if trainer.global_rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def on_one_node_so_far(self) -> bool:
         """Whether this round and every earlier one ran on one node's ranks: read from the earlier rounds' records,

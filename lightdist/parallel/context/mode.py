@@ -211,9 +211,11 @@ def _shift_of_a_share(
         return None
     if any(i != slice(None) for i in index[dim + 1 :]):
         return None
-    if positions.start in (None, 0) and positions.stop in (-1, length - 1):
+    # Compared one by one: dynamo reads ``stop in (-1, length - 1)`` as False where only the symbolic length matches
+    stop = positions.stop
+    if positions.start in (None, 0) and stop is not None and (stop == -1 or stop == length - 1):
         return "last"
-    return "first" if positions.start == 1 and positions.stop in (None, length) else None
+    return "first" if positions.start == 1 and (stop is None or stop == length) else None
 
 
 def shares_into_tensor_parallel_modules(module: nn.Module, args: tuple) -> tuple | None:
