@@ -332,8 +332,8 @@ def context_parallel_in_a_plain_loop() -> dict:
     except RuntimeError as error:
         results["llama_ring_compiled_blocks_documents"] = str(error)
     results["chunks_dealt_by_documents"] = dealt
-    # A batch of another length compiles the blocks for any length: there a check that read a constant `in` a tuple of
-    # symbolic sizes, which dynamo takes for False, attended within the last batch's documents, without an error
+    # A batch of another length compiles the blocks for any length, where a check written `n in (size, size - 1)`,
+    # which dynamo reads as False for symbolic sizes, made them attend within the last batch's documents, with no error
     documents.see(packed([9, 30, 20, 30], length=97))
     results["llama_ring_compiled_blocks_documents_longer"] = one_process_and_split(
         compiled, documents.tokens, loss_within_documents, cp

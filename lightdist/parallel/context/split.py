@@ -128,9 +128,9 @@ class ContextParallel(SplitAttention):
         if isinstance(batch, Mapping) and isinstance(batch.get("labels"), Tensor):
             batch = type(batch)(self._padded_to_split(batch))
         ids = self.documents.ids if self.documents is not None else None
-        positions = batch.get("position_ids") if isinstance(batch, Mapping) else None
-        if ids is None and self.find_documents is not None and _token_positions(positions):
-            ids = self.find_documents(positions)
+        if ids is None and self.find_documents is not None:
+            positions = _position_ids(batch)
+            ids = None if positions is None else self.find_documents(positions)
         if ids is not None:
             self.balance_by_documents(ids)
         self.batch_lengths.update(t.size(1) for t in tensors_in(batch) if t.dim() >= 2)
@@ -238,9 +238,12 @@ class ContextParallel(SplitAttention):
             )
 
 
-def _token_positions(positions: Any) -> bool:
-    """Whether ``positions`` (a batch's ``position_ids``) give each token of each sequence its position."""
-    return isinstance(positions, Tensor) and positions.dim() == 2 and not positions.is_floating_point()
+def _position_ids(batch: Any) -> Tensor | None:
+    """The batch's ``position_ids``, where they give each token of each sequence its position; else ``None``."""
+    positions = batch.get("position_ids") if isinstance(batch, Mapping) else None
+    if isinstance(positions, Tensor) and positions.dim() == 2 and not positions.is_floating_point():
+        return positions
+    return None
 
 
 def _check_right_padded(attention_mask: Tensor, labels: Any) -> None:
