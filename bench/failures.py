@@ -35,15 +35,24 @@ from lightdist.plugins import ModelCheckpoint, ParallelStrategy
 from lightdist.resilience.replica_groups import ReplicaGroups
 
 GLOBAL_BATCH = 12  # samples a step: 6 for each of 2 ranks of a group, dealt among the groups; 2 for each of 6 ranks
+REJOIN_STEPS = 15  # the others' last steps, once the lost group's new start has set up: time for it to join
 
 
 class StepLog(Callback):
     """Rank 0 of each launch appends one line per committed step to ``path``: the samples its launch trained on in
-    that step; the rank told to dies at ``kill_at`` in the launch's first attempt, saying when."""
+    that step; the rank told to dies at ``kill_at`` in the launch's first attempt, saying when.
 
-    def __init__(self, path: str, launch: str, kill_at: int, kill_launch: str, pace: float) -> None:
+    Replica groups: the others wait ``REJOIN_STEPS`` steps before the end until the lost group's new start has set
+    up, so that on a loaded machine the run does not end before that group rejoins (it would find no one to join)."""
+
+    def __init__(self, path: str, launch: str, kill_at: int, kill_launch: str, pace: float, hold_at: int) -> None:
         self.path, self.launch, self.kill_at, self.kill_launch, self.pace = path, launch, kill_at, kill_launch, pace
+        self.hold_at = hold_at
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        if trainer.global_rank == 0:
+            Path(self.path).with_name(f"{self.launch}-set-up-{os.getpid()}").touch()
 
     def _write(self, **line: object) -> None:
         with open(self.path, "a") as log:
@@ -59,11 +68,18 @@ class StepLog(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         time.sleep(self.pace)  # a longer step, as a real model's: the lost group is back before the run ends
+        if trainer.global_step == self.hold_at and self.launch != self.kill_launch:
+            self._wait_for_the_lost_group()
         if trainer.global_rank == 0:
             group = trainer.strategy.replica_group
             rows = group.rows if group is not None else batch.shape[0]
             samples = rows * trainer.strategy.layout.dp
             self._write(step=trainer.global_step, samples=samples, redone=group.steps_redone if group else 0)
+
+    def _wait_for_the_lost_group(self, timeout: float = 300) -> None:
+        deadline = time.time() + timeout
+        while len(list(Path(self.path).parent.glob(f"{self.kill_launch}-set-up-*"))) < 2 and time.time() < deadline:
+            time.sleep(0.1)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -71,7 +87,8 @@ def worker(args: argparse.Namespace) -> None:
     seed_everything(1234)
     in_groups = args.launch != "job"
     replicas = ReplicaGroups(group=args.launch, groups=args.groups, timeout=20) if in_groups else None
-    callbacks: list[Callback] = [StepLog(args.log, args.launch, args.kill_at, args.kill_launch, args.pace)]
+    hold_at = args.steps - REJOIN_STEPS
+    callbacks: list[Callback] = [StepLog(args.log, args.launch, args.kill_at, args.kill_launch, args.pace, hold_at)]
     if not in_groups:
         callbacks.append(ModelCheckpoint(dirpath=args.checkpoints, every_n_train_steps=args.save_every, save_last=True))
     trainer = Trainer(
@@ -106,12 +123,22 @@ def torchrun(
     ]
     options += ["--kill-at", str(args.kill_at), "--kill-launch", args.kill_launch, "--save-every", str(args.save_every)]
     options += ["--pace", str(args.pace), "--groups", str(args.groups)]
-    return subprocess.Popen(
-        [*command, f"--max-restarts={restarts}", __file__, "worker", *options],
-        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
-        stdout=subprocess.DEVNULL,
-        stderr=None if args.verbose else subprocess.DEVNULL,
-    )
+    with open(output(args, launch), "a") as log:  # the ranks' output, read back where the launch fails
+        return subprocess.Popen(
+            [*command, f"--max-restarts={restarts}", __file__, "worker", *options],
+            env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+            stdout=subprocess.DEVNULL,
+            stderr=None if args.verbose else log,
+        )
+
+
+def output(args: argparse.Namespace, launch: str) -> Path:
+    return Path(args.log).parent / f"{launch}.log"
+
+
+def failed(args: argparse.Namespace, launch: str, problem: str) -> RuntimeError:
+    tail = "" if args.verbose else "\n".join(output(args, launch).read_text().splitlines()[-40:])
+    return RuntimeError(f"{problem}; the end of its ranks' output ({output(args, launch)}):\n{tail}")
 
 
 def replica_groups(args: argparse.Namespace) -> dict[str, float]:
@@ -126,15 +153,16 @@ def replica_groups(args: argparse.Namespace) -> dict[str, float]:
     launches[1] = torchrun(2, 29601, "group-1", args, 0, **env)
     codes = [launch.wait() for launch in launches]
     lighthouse.shutdown()
-    if any(codes):
-        raise RuntimeError(f"a replica group failed: exit codes {codes} (group-1's: its replacement's)")
+    for group, code in enumerate(codes):
+        if code:
+            raise failed(args, f"group-{group}", f"replica group {group} failed: exit codes {codes} (1: its new start)")
     return summary(read(args.log), args.steps, started_again)
 
 
 def torchrun_restart(args: argparse.Namespace) -> dict[str, float]:
     """One torchrun of the groups' ranks, restarted by its agent, resuming from the newest checkpoint."""
     if torchrun(2 * args.groups, 29610, "job", args, 1).wait():
-        raise RuntimeError("the restarted job failed")
+        raise failed(args, "job", "the restarted job failed")
     return summary(read(args.log), args.steps)
 
 
@@ -184,6 +212,8 @@ def main() -> None:
     parser.add_argument("--step-log", dest="log")
     parser.add_argument("--checkpoints")
     args = parser.parse_args()
+    if args.kill_at >= args.steps - REJOIN_STEPS:
+        parser.error(f"--kill-at must come before the others' last {REJOIN_STEPS} steps (--steps - {REJOIN_STEPS})")
     if args.mode == "worker":
         return worker(args)
     rows = []

@@ -148,7 +148,8 @@ def test_failures_benchmark_loses_a_rank_both_ways_and_counts_no_sample_missed(t
     """Its ranks upload checkpoints from a checkpoint process each, as lightdist does by default: none is left
     running after the job, not even the killed rank's, which may have been killed as its checkpoint process started."""
     failures = BENCH.parent / "failures.py"
-    # 25 steps of 0.5 s for the group to rejoin; 2 groups, 4 ranks (each starts a checkpoint process under torchrun)
+    # the others wait for the lost group's new start 15 steps before the end, however slow the machine; 2 groups, 4
+    # ranks (each starts a checkpoint process under torchrun)
     options = ["--steps", "30", "--kill-at", "5", "--save-every", "3", "--groups", "2"]
     marked = os.environ | {"LIGHTDIST_TEST_JOB": str(tmp_path)}  # every process of the job inherits it
     run = subprocess.run(
