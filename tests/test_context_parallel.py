@@ -338,6 +338,29 @@ def context_parallel_in_a_plain_loop() -> dict:
     results["llama_ring_compiled_blocks_documents_longer"] = one_process_and_split(
         compiled, documents.tokens, loss_within_documents, cp
     )
+    # Blocks compiled on one rank only, as where dynamo decides otherwise on each (a limit of recompiles reached on
+    # one), over packed documents, which a compiled block attends within by another op: the ring's collectives are
+    # its own, the same on every rank, one all-to-all for an attention's forward and two for its backward
+    mixed = Llama("tiny").model
+    if dist.get_rank() == 0:
+        for block in mixed.layers:
+            compile_block(block, backend="eager")
+    mixed_documents = DocumentMasks(end_token=0, model=mixed)
+    cp = ContextParallel(mesh, "ring", mixed)
+    cp.attend_within(mixed_documents)
+    mixed_documents.see(packed([9, 30, 20]))
+
+    def loss_within_mixed_documents(model: nn.Module, batch: Tensor) -> Tensor:
+        with mixed_documents.active():
+            return shifted_loss(model, batch)
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as collectives:
+        results["llama_ring_compiled_on_one_rank"] = one_process_and_split(
+            mixed, mixed_documents.tokens, loss_within_mixed_documents, cp
+        )
+    all_to_alls = sum(event.name == "gloo:all_to_all" for event in collectives.events())
+    results["ring_all_to_alls_per_attention"] = [None, None]
+    dist.all_gather_object(results["ring_all_to_alls_per_attention"], all_to_alls / len(mixed.layers))
 
     # Documents packed by their positions (DataCollatorWithFlattening), 40, 12 and 12 tokens: the model looks for
     # them in position_ids as it runs, after the split, so the ring keeps the chunks from each end in the first step,
@@ -527,6 +550,7 @@ def plain_loop() -> dict:
         "hf_llama_ring_compiled_blocks_given_position_ids",
         "hf_llama_ring_compiled_blocks_flattened",
         "hf_llama_ring_compiled_blocks_shorter",
+        "llama_ring_compiled_on_one_rank",
         "hf_falcon_alibi_ring_flattened_dealt",
         "hf_bloom_alibi_ring_flattened_dealt",
     ],
@@ -535,6 +559,12 @@ def test_half_of_each_sequence_per_rank_computes_what_one_process_computes(plain
     assert isinstance(plain_loop[name], dict), plain_loop[name]  # or what the run raised
     assert plain_loop[name]["loss"] < 1e-5
     assert plain_loop[name]["gradients"] < 1e-4
+
+
+def test_the_rings_collectives_are_the_same_on_every_rank_whether_its_blocks_compiled_or_not(plain_loop: dict) -> None:
+    """Keys and values travel together: one all-to-all forward; backward gathers them again and returns their
+    gradients. Ranks that ran different collectives would hang, or swap keys' and values' gradients unnoticed."""
+    assert plain_loop["ring_all_to_alls_per_attention"] == [3, 3]
 
 
 def test_each_batch_deals_the_chunks_by_its_own_documents(plain_loop: dict) -> None:

@@ -5,8 +5,9 @@ Two ways, as ``context_parallel_method`` picks:
 - ``"ring"``: the keys and values of every rank gathered (torch's ring attention in its default all-gather rotation,
   Llama 3's context parallelism); each of the rank's chunks of queries attends to the keys up to its own end, so a
   rank computes only the causal half its chunks need, and a bias per key (ALiBi's) is added as it goes. Any head
-  count; grouped-query keys and values travel unrepeated. Backward gathers them again and recomputes the attention
-  (torch's SDPA returns no log-sum-exp to merge blocks by, nor saves one): a rank keeps its own keys and values only.
+  count; grouped-query keys and values travel unrepeated, in one all-to-all. Backward gathers them again and
+  recomputes the attention (torch's SDPA returns no log-sum-exp to merge blocks by, nor saves one): a rank keeps its own
+  keys and values only.
 - ``"all_to_all"``: DeepSpeed's Ulysses: heads scattered, the sequence gathered, any attention kernel; the query and
   key/value heads must divide by the ranks.
 
@@ -21,14 +22,14 @@ the queries' positions). A mask of the model's own over packed documents is refu
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 
 from lightdist.parallel.context.sequences import SplitSequences
 from lightdist.parallel.document_attention import attention_per_document, compiled_attention_per_document
@@ -182,7 +183,7 @@ class SplitAttention(SplitSequences):
         """This rank's queries over the whole sequence's keys and values, gathered, with ``key_bias`` (batch, heads, 1,
         sequence) added where given. Backward gathers the keys and values again and recomputes the attention, as
         torch's ring gathers them again, rather than keep every rank's keys and values for it (N times a rank's)."""
-        return checkpoint(self._over_gathered, query, key, value, scale, key_bias, use_reentrant=False)
+        return _GatheredAttention.apply(self, query, key, value, scale, key_bias)
 
     def _over_gathered(
         self, query: Tensor, key: Tensor, value: Tensor, scale: float | None, key_bias: Tensor | None
@@ -192,7 +193,8 @@ class SplitAttention(SplitSequences):
         the documents dealt them) each document's queries over its own keys alone (in a compiled block, one op over
         their ids and the queries' positions). Slices by ``narrow``, which the mode does not read as a shift of a
         share."""
-        whole_key, whole_value = self.gathered(key, 2), self.gathered(value, 2)
+        whole = self.gathered(torch.cat((key, value), dim=-1), 2)  # one all-to-all; head sizes may differ (MLA)
+        whole_key, whole_value = whole.split((key.size(-1), value.size(-1)), dim=-1)
         local_len, gqa = query.size(2), key.size(1) != query.size(1)
         length = local_len * self.size
         if self.documents is not None and self.documents.ids_for(length) is not None:  # no key bias (attention)
@@ -275,3 +277,37 @@ class SplitAttention(SplitSequences):
         parts = out.index_select(2, held).view(batch, heads_here, self.size, local_len, dim).permute(2, 0, 1, 3, 4)
         returned = all_to_all_rows(parts, [1] * self.size, [1] * self.size, self.group)
         return returned.transpose(0, 1).reshape(batch, heads_here * self.size, local_len, dim)
+
+
+class _GatheredAttention(torch.autograd.Function):
+    """``SplitAttention._over_gathered`` keeping this rank's own queries, keys and values for backward, which gathers
+    the keys and values again, recomputes the attention and returns their gradients to the ranks that hold them.
+
+    Its collectives are fixed here, the same on every rank: one all-to-all forward, then in backward the gather and
+    the gradients' return. Torch's checkpoint recomputes a region until it has the tensors its forward saved, which
+    differ where dynamo compiled that forward (a compiled block) but not the recompute, which runs eagerly; and the
+    autograd engine orders the keys' and values' returns by when each is ready. Ranks whose collectives differ in
+    number or order hang, or exchange the wrong tensors."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        split: SplitAttention,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        scale: float | None,
+        key_bias: Tensor | None,
+    ) -> Tensor:
+        ctx.split, ctx.scale = split, scale
+        ctx.save_for_backward(query, key, value, key_bias)
+        return split._over_gathered(query, key, value, scale, key_bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        query, key, value, key_bias = ctx.saved_tensors
+        inputs = tuple(t.detach().requires_grad_() for t in (query, key, value))
+        with torch.enable_grad():
+            out = ctx.split._over_gathered(*inputs, ctx.scale, key_bias)
+        return None, *torch.autograd.grad(out, inputs, grad), None, None
