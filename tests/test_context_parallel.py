@@ -34,7 +34,7 @@ from lightdist.parallel.pipeline.traced import trace_stages
 from lightdist.plan.planner import Cluster, Layout, ModelShape, Training, estimate
 
 from multirank import raised, run_ranks
-from zoo import GPT, HF_TINY, CausalSelfAttention, GPTConfig
+from zoo import GPT, HF_MOE_FAMILIES, HF_TINY, HF_TINY_MOE, CausalSelfAttention, GPTConfig
 
 pytestmark = pytest.mark.multirank
 
@@ -232,6 +232,12 @@ def context_parallel_in_a_plain_loop() -> dict:
     results["hf_falcon_alibi_all_to_all"] = one_process_and_split(alibi, collated, labels_loss, cp)
     cp = ContextParallel(mesh, "ring", alibi)  # the keys and values gathered whole, the bias added to them
     results["hf_falcon_alibi_ring"] = one_process_and_split(alibi, collated, labels_loss, cp)
+    # Latent attention (DeepSeek-V3) whose value heads differ in size from its query and key heads (a key and value
+    # head per query head, as latent attention makes them: with fewer, Hugging Face's model fails in one process)
+    latent = HF_MOE_FAMILIES["deepseek_v3"] | {"v_head_dim": 24, "num_key_value_heads": 4}
+    deepseek = hf_causal_lm("deepseek_v3", **dict(HF_TINY_MOE, **latent))
+    cp = ContextParallel(mesh, "ring", deepseek)
+    results["hf_deepseek_v3_ring_values_of_another_size"] = one_process_and_split(deepseek, collated, labels_loss, cp)
     # Attention written by hand: Hugging Face's "eager", BLOOM's ALiBi added by baddbmm, nanoGPT's slow path
     eager = hf_llama("eager")
     results["hf_llama_eager"] = one_process_and_split(
@@ -532,6 +538,7 @@ def plain_loop() -> dict:
         "hf_falcon_causal_mask",
         "hf_falcon_alibi_all_to_all",
         "hf_falcon_alibi_ring",
+        "hf_deepseek_v3_ring_values_of_another_size",
         "hf_llama_eager",
         "hf_bloom_alibi",
         "nanogpt_slow_attention",

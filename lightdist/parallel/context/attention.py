@@ -193,8 +193,7 @@ class SplitAttention(SplitSequences):
         the documents dealt them) each document's queries over its own keys alone (in a compiled block, one op over
         their ids and the queries' positions). Slices by ``narrow``, which the mode does not read as a shift of a
         share."""
-        whole = self.gathered(torch.cat((key, value), dim=-1), 2)  # one all-to-all; head sizes may differ (MLA)
-        whole_key, whole_value = whole.split((key.size(-1), value.size(-1)), dim=-1)
+        whole_key, whole_value = self._gathered_keys_and_values(key, value)
         local_len, gqa = query.size(2), key.size(1) != query.size(1)
         length = local_len * self.size
         if self.documents is not None and self.documents.ids_for(length) is not None:  # no key bias (attention)
@@ -217,6 +216,14 @@ class SplitAttention(SplitSequences):
                 F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
             )
         return torch.cat(outs, dim=2)
+
+    def _gathered_keys_and_values(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """Every rank's keys and values, in one all-to-all; each whole and contiguous, which attention kernels run
+        faster on, where they have one shape."""
+        if key.shape == value.shape:
+            return self.gathered(torch.stack((key, value)), 3).unbind(0)
+        whole = self.gathered(torch.cat((key, value), dim=-1), 2)  # heads of another size for values (MLA)
+        return whole.split((key.size(-1), value.size(-1)), dim=-1)
 
     def _over_dealt_chunks(
         self, query: Tensor, key: Tensor, value: Tensor, scale: float | None, key_bias: Tensor | None
