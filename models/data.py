@@ -24,22 +24,20 @@ from lightdist.data.vocabulary import check_vocabulary
 __all__ = ["ARITHMETIC_ALPHABET", "TokenDataModule", "TokenWindows", "arithmetic_corpus"]
 
 ARITHMETIC_ALPHABET = "0123456789+=\n"
+_ARITHMETIC_IDS = str.maketrans({character: chr(i) for i, character in enumerate(ARITHMETIC_ALPHABET)})
 
 
 def arithmetic_corpus(num_tokens: int, *, seed: int = 0) -> np.ndarray:
     """Lines like ``417+38=455``, as ids into ``ARITHMETIC_ALPHABET``.
 
-    The sums are deterministic given the operands, so a model's loss visibly falls as it learns to add.
+    The sums are deterministic given the operands, so a model's loss visibly falls as it learns to add. Every rank of
+    every run makes it again: all operands are drawn at once (the same stream as one line at a time), and the text
+    mapped to ids in one pass.
     """
     rng = np.random.default_rng(seed)
-    lookup = {ch: i for i, ch in enumerate(ARITHMETIC_ALPHABET)}
-    pieces, total = [], 0
-    while total < num_tokens:
-        a, b = rng.integers(0, 1000, size=2)
-        line = [lookup[ch] for ch in f"{a}+{b}={a + b}\n"]
-        pieces.append(line)
-        total += len(line)
-    return np.fromiter((t for line in pieces for t in line), dtype=np.uint16)[:num_tokens]
+    operands = rng.integers(0, 1000, size=(num_tokens // len("0+0=0\n") + 1, 2))  # enough of the shortest lines
+    text = "".join(f"{a}+{b}={a + b}\n" for a, b in operands.tolist())[:num_tokens]
+    return np.frombuffer(text.translate(_ARITHMETIC_IDS).encode(), dtype=np.uint8).astype(np.uint16)
 
 
 class TokenWindows(Dataset):

@@ -33,7 +33,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from lightdist.cli import main
 from lightdist.data.prepare import prepare
 from lightdist.data.token_shards import TokenShards
-from lightdist.models.data import TokenDataModule, TokenWindows
+from lightdist.models.data import ARITHMETIC_ALPHABET, TokenDataModule, TokenWindows, arithmetic_corpus
 from lightdist.models.python_docs import train_tokenizer, write_corpus
 
 from faulty_storage import FaultyStorage
@@ -190,6 +190,19 @@ def test_a_vocabulary_larger_than_the_models_embedding_is_refused_before_the_fir
     case = Case(model="llama", data_path=str(tmp_path / "tokens"), steps=1)  # the tiny Llama: 64 rows
     assert re.search(r"holds token ids up to 511 .* embedding has 64 rows", raised(train, case))
     assert train(Case(model="llama_vocab512", data_path=str(tmp_path / "tokens"), steps=1)).losses
+
+
+def test_the_arithmetic_corpus_is_true_sums_cut_to_the_length_asked_the_same_for_a_seed() -> None:
+    text = "".join(ARITHMETIC_ALPHABET[i] for i in arithmetic_corpus(100_000, seed=3))
+    assert len(text) == 100_000
+    lines = text.split("\n")[:-1]  # the last line may be cut short
+    assert all(
+        int(sum_) == int(a) + int(b)
+        for a, b, sum_ in (re.fullmatch(r"(\d+)\+(\d+)=(\d+)", line).groups() for line in lines)
+    )
+    assert len({line.split("+")[0] for line in lines}) > 900  # operands drawn over 0 to 999
+    assert np.array_equal(arithmetic_corpus(50, seed=3), arithmetic_corpus(100_000, seed=3)[:50])
+    assert not np.array_equal(arithmetic_corpus(50, seed=4), arithmetic_corpus(50, seed=3))
 
 
 def test_a_mixture_draws_each_corpus_by_its_weight_in_an_order_the_seed_fixes(
