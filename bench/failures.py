@@ -18,6 +18,7 @@ every ``--save-every`` steps, uploaded behind training). From the lines each lau
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -123,12 +124,13 @@ def torchrun(
     ]
     options += ["--kill-at", str(args.kill_at), "--kill-launch", args.kill_launch, "--save-every", str(args.save_every)]
     options += ["--pace", str(args.pace), "--groups", str(args.groups)]
-    with open(output(args, launch), "a") as log:  # the ranks' output, read back where the launch fails
+    # the ranks' output: shown with --verbose, else kept in a file read back where the launch fails
+    with contextlib.nullcontext() if args.verbose else open(output(args, launch), "a") as log:
         return subprocess.Popen(
             [*command, f"--max-restarts={restarts}", __file__, "worker", *options],
             env={**os.environ, "OMP_NUM_THREADS": "1", **env},
             stdout=subprocess.DEVNULL,
-            stderr=None if args.verbose else log,
+            stderr=log,
         )
 
 
@@ -212,7 +214,7 @@ def main() -> None:
     parser.add_argument("--step-log", dest="log")
     parser.add_argument("--checkpoints")
     args = parser.parse_args()
-    if args.kill_at >= args.steps - REJOIN_STEPS:
+    if args.mode in ("both", "replica-groups") and args.kill_at >= args.steps - REJOIN_STEPS:
         parser.error(f"--kill-at must come before the others' last {REJOIN_STEPS} steps (--steps - {REJOIN_STEPS})")
     if args.mode == "worker":
         return worker(args)
