@@ -12,7 +12,8 @@ Each name is here because torch has no public way to do the same yet:
 - ``torch.distributed.distributed_c10d``: a group's timeout.
 - ``Tensor._base``: whether a tensor is a view.
 - ``torch.overrides._get_current_function_mode_stack``: the ``TorchFunctionMode``s a checkpointed block ran under,
-  entered again where backward recomputes it (torch leaves a mode while the mode handles ``backward``).
+  entered again where backward recomputes it (torch leaves a mode while the mode handles ``backward``); and those a
+  mode is entered beneath (``entered_beneath``).
 
 ``SUBCLASS_PRIVATES`` lists the private members of torch's classes that lightdist's subclasses override or call.
 """
@@ -23,6 +24,8 @@ import multiprocessing
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -42,6 +45,7 @@ __all__ = [
     "FsspecReader",
     "FsspecWriter",
     "adopt_checkpoint_processes",
+    "entered_beneath",
     "is_view",
     "set_group_timeout",
     "torch_function_modes",
@@ -63,6 +67,29 @@ def set_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
 def torch_function_modes() -> list[TorchFunctionMode]:
     """The ``TorchFunctionMode``s entered now, outermost first."""
     return _get_current_function_mode_stack()
+
+
+@contextmanager
+def entered_beneath(mode: TorchFunctionMode) -> Iterator[None]:
+    """``mode`` entered beneath the ``TorchFunctionMode``s entered now, as if it had been entered before them: each of
+    them sees a call first and may change it on its way to ``mode``. torch has no public way to do so; the base
+    class's own ``__enter__`` and ``__exit__`` push a mode on the stack and pop its top, without what subclasses
+    add to them."""
+    above = torch_function_modes()
+    _pop_top(len(above))
+    for entered in (mode, *above):
+        TorchFunctionMode.__enter__(entered)
+    try:
+        yield
+    finally:
+        _pop_top(len(above) + 1)
+        for entered in above:
+            TorchFunctionMode.__enter__(entered)
+
+
+def _pop_top(count: int) -> None:
+    for _ in range(count):
+        TorchFunctionMode.__exit__(None, None, None, None)
 
 
 def is_view(tensor: Tensor) -> bool:

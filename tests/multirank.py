@@ -238,10 +238,10 @@ def raised(fn: Callable, *args: Any) -> str:
 
 @contextmanager
 def split_over_two_ranks(
-    model: nn.Module, *, sequence_parallel: bool, tp_plan: dict | None = None
+    model: nn.Module, *, sequence_parallel: bool, tp_plan: dict | None = None, layouts: dict | None = None
 ) -> Iterator[nn.Module]:
     """``model`` tensor parallel over this rank and one other, in the running gloo group or one that ends with the
-    block."""
+    block; its units run fast, or as ``layouts`` names them."""
     starts_group = not dist.is_initialized()
     if starts_group:
         dist.init_process_group("gloo")
@@ -249,7 +249,7 @@ def split_over_two_ranks(
         stack = find_decoder_stack(model)
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         plan = discover_plan(model, stack, tp_plan=tp_plan)
-        apply_tensor_parallel(model, stack, mesh, plan=plan, sequence_parallel=sequence_parallel)
+        apply_tensor_parallel(model, stack, mesh, plan=plan, layouts=layouts, sequence_parallel=sequence_parallel)
         yield model
     finally:
         if starts_group:

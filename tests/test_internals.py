@@ -35,6 +35,7 @@ from lightdist.plugins.lightning_internals import (
 )
 from lightdist.plugins.pipeline_step import batch_on_device, optimizer_steps_after
 from lightdist.torch_internals import (
+    entered_beneath,
     is_view,
     set_group_timeout,
     torch_function_modes,
@@ -299,6 +300,10 @@ def test_torch_internals_behave_as_lightdist_relies_on(tmp_path: Path) -> None:
     tensor = torch.ones(4, 4)
     assert is_view(tensor[0]) and not is_view(tensor)
     with TorchFunctionMode() as outer, TorchFunctionMode() as inner:
+        assert torch_function_modes()[-2:] == [outer, inner]
+        beneath = TorchFunctionMode()
+        with entered_beneath(beneath):
+            assert torch_function_modes()[-3:] == [beneath, outer, inner]
         assert torch_function_modes()[-2:] == [outer, inner]
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:

@@ -1,14 +1,17 @@
 """Sequence parallelism is really on: between blocks each tensor-parallel rank holds its share of the sequence, and
-tensor parallelism communicates what Megatron's layout needs, counted with torch's CommDebugMode."""
+tensor parallelism communicates what Megatron's layout needs, counted with torch's CommDebugMode, and holds what it
+needs: the token embedding's gradient by vocabulary rows."""
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from functools import cache
 
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 from lightning.pytorch import Callback
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -17,6 +20,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from lightdist.models import Llama
 
 import training
+import zoo
 from multirank import run_ranks, split_over_two_ranks
 from training import Case
 
@@ -153,3 +157,44 @@ def test_tensor_parallel_without_sequence_parallel_all_reduces_twice_per_block_f
     # Each column-parallel projection (q, k, v, gate, up) all-reduces its own input gradient: 5, where Megatron
     # needs 2. Sequence parallelism (the default) does not pay this.
     assert backward == Counter(all_reduce=5)
+
+
+def embedding_gradient_on_each_rank() -> tuple[tuple, tuple, float, float]:
+    """A Hugging Face Gemma 3 (its embedding a subclass that scales the lookup, padding id 0, not tied to the head),
+    split over 2 ranks with sequence parallelism, and one backward of its own loss on a batch with padding: the token
+    embedding's gradient as this rank holds it (placements, shape), how far it is from the rows of the one-process
+    gradient it stands for, and the padding row's largest entry."""
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        model_type="gemma3_text",
+        num_key_value_heads=2,
+        head_dim=16,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        **zoo.HF_TINY,
+    )
+    whole = transformers.AutoModelForCausalLM.from_config(config)
+    split = copy.deepcopy(whole)
+    batch = torch.randint(0, 64, (4, 32))
+    batch[:, -6:] = 0
+    whole(input_ids=batch, labels=batch).loss.backward()
+    with split_over_two_ranks(split, sequence_parallel=True, layouts={"self_attn": "global"}) as model:  # its q_norm
+        model(input_ids=batch, labels=batch).loss.backward()
+        grad = model.get_input_embeddings().weight.grad
+        own_rows = whole.get_input_embeddings().weight.grad.chunk(2)[dist.get_rank()]
+        local = grad.to_local()
+        return (
+            tuple(grad.placements),
+            tuple(local.shape),
+            (local - own_rows).abs().max().item(),
+            local[0].abs().max().item(),
+        )
+
+
+def test_each_rank_computes_and_holds_the_embeddings_gradient_for_its_own_vocabulary_rows() -> None:
+    # As Megatron's VocabParallelEmbedding: not the whole table's gradient on every rank, reduced across them.
+    first, second = run_ranks(2, embedding_gradient_on_each_rank)
+    for placements, shape, off_by, _ in (first, second):
+        assert (placements, shape) == ((Shard(0),), (32, 64))  # half the vocabulary of 64, the whole width
+        assert off_by < 1e-6
+    assert first[3] == 0  # the padding row, on the first rank, learns nothing

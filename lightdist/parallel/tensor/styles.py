@@ -39,6 +39,7 @@ from torch.distributed.tensor.parallel import (
 from lightdist.parallel.structure import (
     is_conv1d,
 )
+from lightdist.parallel.tensor.vocab_embedding import VocabParallelEmbedding
 
 __all__ = [
     "COLUMN_PARALLEL",
@@ -328,7 +329,7 @@ def local_styles(*, sequence_parallel: bool, loss_parallel: bool) -> dict[Tensor
     return {
         "colwise": Colwise(),
         "rowwise": Rowwise(output_layouts=stream, use_local_output=not sequence_parallel),
-        "vocab": RowwiseParallel(  # embedding rows split by token id
+        "vocab": VocabParallelEmbedding(
             input_layouts=Replicate(), output_layouts=stream, use_local_output=not sequence_parallel
         ),
         "head": ColwiseParallel(input_layouts=stream, output_layouts=logits, use_local_output=not loss_parallel),
