@@ -69,8 +69,8 @@ def embedding_on_own_rows(
     sparse: bool = False,
 ) -> Tensor:
     """``F.embedding(ids, weight)`` for ``weight`` split by rows over a 1-D mesh: the ranks' partial sums, as a
-    ``Partial`` DTensor. Renormalised rows, gradients scaled by frequency and sparse gradients take DTensor's own
-    lookup (each needs the whole batch's ids at each row)."""
+    ``Partial`` DTensor. A lookup that renormalises rows, scales gradients by the ids' frequency or makes sparse
+    gradients takes DTensor's own, whole-table path."""
     if max_norm is not None or scale_grad_by_freq or sparse or weight.placements != (Shard(0),):
         return F.embedding(ids, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
     ids = ids.to_local() if isinstance(ids, DTensor) else ids
