@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from lightdist.models import Llama
 from lightdist.parallel.activation_checkpointing import apply_activation_checkpointing
 from lightdist.parallel.compiled_blocks import compile_block
-from lightdist.parallel.context import ContextParallel, balanced_by_documents, load_balanced_positions
+from lightdist.parallel.context import ContextParallel, balanced_by_documents, check_split_step, load_balanced_positions
 from lightdist.parallel.context.sequence_shard import SequenceShard
 from lightdist.parallel.documents import DocumentMasks, document_ids, document_positions
 from lightdist.parallel.loss_tokens import labelled_tokens
@@ -308,6 +308,23 @@ def context_parallel_in_a_plain_loop() -> dict:
             results["llama_ring_compiled_blocks"] = one_process_and_split(compiled, again, shifted_loss, cp)
     except RuntimeError as error:
         results["llama_ring_compiled_blocks"] = str(error)
+    # The check a step runs at its first batch (ParallelStrategy: whole, then split, in evaluation) runs compiled
+    # blocks eagerly: it compiles nothing for shapes and modes training never runs; the step after it compiles
+    graphs = []
+    checked = Llama("tiny").model
+    for block in checked.layers:
+        compile_block(block, backend=lambda graph, inputs: graphs.append(graph) or graph.forward)
+    check_split_step(
+        ContextParallel(mesh, "ring", checked),
+        lambda batch: (shifted_loss(checked, batch), None),
+        windows,
+        None,  # the loss only: the split's gradients are summed over the ranks by ZeRO, not in this loop
+        rtol=1e-5,
+        step_name="shifted_loss",
+    )
+    results["graphs_compiled_by_the_check"] = len(graphs)
+    shifted_loss(checked, windows)
+    results["graphs_compiled_by_a_step"] = len(graphs)
     # Within packed documents the ring's chunks are dealt out by each batch's documents: the compiled blocks take the
     # chunks' positions as a tensor, so a batch whose documents deal them otherwise compiles nothing anew either
     documents = DocumentMasks(end_token=0, model=compiled)
@@ -574,6 +591,11 @@ def test_the_rings_collectives_are_the_same_on_every_rank_whether_its_blocks_com
     """Keys and values travel together: one all-to-all forward; backward gathers them again and returns their
     gradients. Ranks that ran different collectives would hang, or swap keys' and values' gradients unnoticed."""
     assert plain_loop["ring_all_to_alls_per_attention"] == [3, 3]
+
+
+def test_the_check_of_a_step_runs_compiled_blocks_without_compiling_them(plain_loop: dict) -> None:
+    assert plain_loop["graphs_compiled_by_the_check"] == 0  # 24 where it compiled the blocks for its runs
+    assert plain_loop["graphs_compiled_by_a_step"] > 0
 
 
 def test_each_batch_deals_the_chunks_by_its_own_documents(plain_loop: dict) -> None:

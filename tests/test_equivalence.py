@@ -512,6 +512,7 @@ def test_parallel_run_matches_single_process(world_size: int, name: str) -> None
     single = REFERENCES[case.reference(world_size)]
     assert not parallel.error, parallel.error
     assert not single.error, single.error
+    assert not parallel.gradients_unlike_parameters  # each rank's gradients are its share, as the planner counts
 
     assert len(parallel.losses) == case.steps * case.accumulate_grad_batches
     if case.reference(world_size).accumulate_grad_batches == case.accumulate_grad_batches:  # a loss per batch

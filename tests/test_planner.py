@@ -23,6 +23,7 @@ from lightdist.plan.planner import Cluster, GiB, Layout, ModelShape, Training, e
 from lightdist.plugins import ParallelStrategy
 
 from multirank import run_ranks
+from training import MODELS, Case, train_cases
 
 LLAMA_70B = ["--model", "lightdist.models.Llama", "--init-args", '{"preset": "70b"}']
 LLAMA_8B = ["--model", "lightdist.models.Llama", "--init-args", '{"preset": "8b"}']
@@ -94,6 +95,39 @@ def test_parameters_per_rank_are_what_the_strategy_leaves_each_rank_of_a_big_clu
         stages = ModelShape(meta_llama(preset)).rank_parameters(pp=pp, tp=tp, dp=dp)
         (_, first), (_, last) = stages[0], stages[-1]
         assert (next(held), next(held)) == (first, last), preset
+
+
+GRADIENT_CASES = {  # on 4 ranks
+    "tp2_dp2_zero3": Case(strategy=dict(tensor_parallel_size=2, zero_stage=3), model="llama_vocab512"),
+    "tp4_replicated_key_values_zero1": Case(strategy=dict(tensor_parallel_size=4, zero_stage=1)),
+    "pp2_tp2_4_microbatches": Case(strategy=dict(pipeline_parallel_size=2, tensor_parallel_size=2, microbatches=4)),
+    "cp2_tp2": Case(strategy=dict(context_parallel_size=2, tensor_parallel_size=2)),
+    # third-party code: Gemma 3's scaled embedding, GPT-2's Conv1D, nanoGPT's head tied to its embedding
+    "hf_gemma3_tp2_dp2_zero2": Case(
+        strategy=dict(tensor_parallel_size=2, zero_stage=2), model="zoo_hf_gemma3_text_logits"
+    ),
+    "hf_gpt2_pp2_dp2_zero1": Case(strategy=dict(pipeline_parallel_size=2, zero_stage=1), model="zoo_hf_gpt2_labels"),
+    "nanogpt_pp2_tp2": Case(strategy=dict(pipeline_parallel_size=2, tensor_parallel_size=2), model="zoo_nanogpt"),
+}
+
+
+@pytest.mark.multirank
+def test_each_rank_holds_the_gradients_the_planner_counts_when_the_optimizer_steps() -> None:
+    """The gradients of the rank's parameters, as tensor and pipeline parallelism split them and ZeRO-2 and 3 shard
+    them: what the planner counts (4 bytes each) from the model built on the meta device, for any model."""
+    cases = [dataclasses.replace(case, steps=1) for case in GRADIENT_CASES.values()]
+    per_rank = zip(*run_ranks(4, train_cases, cases, 4), strict=True)
+    for (name, case), results in zip(GRADIENT_CASES.items(), per_rank, strict=True):
+        assert not any(result.error or result.gradients_unlike_parameters for result in results), (name, results)
+        options = case.strategy
+        pp, tp = options.get("pipeline_parallel_size", 1), options.get("tensor_parallel_size", 1)
+        with torch.device("meta"):
+            shape = ModelShape(MODELS[case.model](learning_rate=1e-3, warmup_steps=2))
+        # ZeRO shards over the data- and context-parallel ranks together
+        stages = shape.rank_parameters(pp=pp, tp=tp, dp=4 // (pp * tp))
+        planned = [sharded if options.get("zero_stage", 3) >= 2 else whole for whole, sharded in stages]
+        held = sorted(result.gradient_elements for result in results)
+        assert held == sorted(planned * (4 // pp)), name
 
 
 class LlamaCheckingItsInput(Llama):

@@ -39,6 +39,7 @@ from lightdist.models import GPT2, HuggingFaceCausalLM, Llama, MoELlama, TokenDa
 from lightdist.models.data import ARITHMETIC_ALPHABET, arithmetic_corpus
 from lightdist.models.lm import CausalLM
 from lightdist.parallel.pipeline.microbatches import examples_in
+from lightdist.parallel.sharding import local_tensor
 from lightdist.plugins import ModelCheckpoint, ParallelStrategy, TrainingMonitor
 from lightdist.verify import ShardedOrder
 
@@ -493,6 +494,10 @@ class Result:
     validated: dict[str, float] = field(default_factory=dict)  # what trainer.validate returned after training
     grad_norms: list[float] = field(default_factory=list)  # per optimizer step, before clipping (TrainingMonitor)
     expert_imbalance: list[float] = field(default_factory=list)  # per optimizer step, MoE models (TrainingMonitor)
+    # This rank's gradients as the optimizer steps: their elements (the last step's), and any not laid out as its
+    # parameter is (where DTensor has no split rule for an op's backward, a rank holds the whole tensor's, Partial)
+    gradient_elements: int = 0
+    gradients_unlike_parameters: list[str] = field(default_factory=list)
     layout: str = ""  # the layout ParallelStrategy trained under
     error: str = ""  # the traceback of a run that raised: the runs after it in the same ranks still ran
 
@@ -515,6 +520,24 @@ class _RecordLosses(Callback):
             self.result.grad_norms.append(trainer.callback_metrics["train/grad_norm"].item())
             if "moe/imbalance" in trainer.callback_metrics:
                 self.result.expert_imbalance.append(trainer.callback_metrics["moe/imbalance"].item())
+
+
+class _RecordGradients(Callback):
+    def __init__(self, result: Result) -> None:
+        self.result = result
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        held = {name: param for name, param in pl_module.named_parameters() if param.grad is not None}
+        self.result.gradient_elements = sum(local_tensor(param.grad).numel() for param in held.values())
+        self.result.gradients_unlike_parameters += [
+            f"{name}: {_layout(param.grad)}, its parameter {_layout(param)}"
+            for name, param in held.items()
+            if _layout(param.grad) != _layout(param)
+        ]
+
+
+def _layout(tensor: Tensor) -> tuple:
+    return tuple(getattr(tensor, "placements", ())), tuple(local_tensor(tensor).shape)
 
 
 class _CountValidationWindows(Callback):
@@ -652,7 +675,13 @@ def train(
         num_sanity_val_steps=0,
         # A single process that draws the ranks' order itself: on lightdist's one rank too, no sampler of Lightning's
         use_distributed_sampler=case.sampled_as_ranks is None,
-        callbacks=[TrainingMonitor(log_every_n_steps=1), _RecordLosses(result), _CountValidationWindows(), *callbacks],
+        callbacks=[
+            TrainingMonitor(log_every_n_steps=1),
+            _RecordLosses(result),
+            _RecordGradients(result),
+            _CountValidationWindows(),
+            *callbacks,
+        ],
         logger=logger,
         log_every_n_steps=1,
         enable_checkpointing=any(isinstance(callback, Checkpoint) for callback in callbacks),
@@ -685,11 +714,13 @@ def prepared_arithmetic(folder: Path, tokens: int = 1 << 16) -> str:
 
 
 def merge_stages(results_per_rank: list[list[Result]]) -> list[Result]:
-    """Rank 0's results with every rank's parameters: under a pipeline each rank holds one stage's."""
+    """Rank 0's results with every rank's parameters (under a pipeline each rank holds one stage's) and gradients
+    unlike their parameters."""
     merged = results_per_rank[0]
     for rank_results in results_per_rank[1:]:
         for result, other in zip(merged, rank_results, strict=True):
             result.params.update(other.params)
+            result.gradients_unlike_parameters += other.gradients_unlike_parameters
     return merged
 
 

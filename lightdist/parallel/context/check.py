@@ -96,12 +96,16 @@ def check_split_step(
     given ``parameters`` by name, their gradients, left as they were found) differ by more than ``rtol``. A
     collective of every rank; ``around``: what the step's loss runs under besides context parallelism (loss
     parallelism); ``backward_in_step``: the step runs its own backward, weighing its loss as training does (a
-    pipeline's schedule)."""
+    pipeline's schedule).
+
+    Both run eagerly, compiled blocks too: the check is of the step's code, which compiling does not change, and its
+    prefix, run in evaluation and whole, has shapes and modes training never runs (each compiled for them, then again
+    for training's: seconds a block on CPU, minutes for a large model under inductor)."""
     device = tensors_in(batch)[0].device
     examples, length = _sequences(batch)
     saved = None if parameters is None else {name: p.grad for name, p in parameters.items()}
     try:
-        with around():
+        with around(), torch.compiler.set_stance("force_eager"):
             _clear(parameters)
             try:
                 whole, _ = step(cloned(batch))  # a step may write into its batch (labels masked in place)
@@ -112,7 +116,7 @@ def check_split_step(
                     f"rank holds in training): {type(error).__name__}: {error}"
                 ) from error
             whole_grads = _gradients(whole, parameters, backward=not backward_in_step)
-        with around(), cp.active():
+        with around(), cp.active(), torch.compiler.set_stance("force_eager"):
             _clear(parameters)
             split, tokens = step(cp.shard_batch(cloned(batch)))
             weight = _weight(cp, tokens, device)
