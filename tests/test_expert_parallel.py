@@ -155,6 +155,7 @@ REFERENCES = References([*COMPARED, AUX_LOSS_ON_ONE_PROCESS])
 def assert_same_losses(run: Result, expected: Result, case: Case) -> None:
     assert not run.error, run.error
     assert not expected.error, expected.error
+    assert not run.gradients_unlike_parameters  # each rank's gradients are its share, as the planner counts
     assert len(run.losses) == case.steps
     torch.testing.assert_close(run.losses, expected.losses, rtol=1e-5, atol=0)
     torch.testing.assert_close(run.logged, expected.logged, rtol=1e-5, atol=0)
